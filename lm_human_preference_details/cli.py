@@ -1,0 +1,47 @@
+"""What every stage script shares on its command line: `--task` presets and one-line errors."""
+
+import functools
+import sys
+from collections.abc import Callable
+from typing import TypeVar
+
+import transformers
+import tyro
+
+T = TypeVar("T")
+
+
+class UserError(ValueError):
+    """Bad input from the user: printed as one line naming the field and the fix, no traceback."""
+
+
+def parse(args_type: type[T], defaults_for_task: Callable[[str], T], default_task: str, argv: list[str] | None = None) -> T:
+    """`--task NAME` picks the preset whose values become the defaults; every other flag overrides them."""
+    transformers.utils.logging.set_verbosity_error()  # progress bars and notices drown the training log
+    transformers.utils.logging.disable_progress_bar()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    task = default_task
+    for i, arg in enumerate(argv):
+        if arg == "--task" and i + 1 < len(argv):
+            task = argv[i + 1]
+            del argv[i : i + 2]
+            break
+        if arg.startswith("--task="):
+            task = arg.split("=", 1)[1]
+            del argv[i]
+            break
+    return tyro.cli(args_type, default=defaults_for_task(task), args=argv)
+
+
+def main_with_user_errors(main: Callable[[], None]) -> Callable[[], None]:
+    """Run `main`; a UserError ends the process with `error: ...` on one line and exit status 2."""
+
+    @functools.wraps(main)
+    def wrapped():
+        try:
+            main()
+        except UserError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+
+    return wrapped

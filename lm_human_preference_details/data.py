@@ -1,0 +1,212 @@
+"""Query datasets and label files.
+
+Label files use OAI's format: a JSON list of `{"query": [query_length ints], "sample0".."sampleN-1":
+[response_length ints], "best": int}`, queries right-padded with the pad id beyond the vocab
+(# OAI: lm_human_preferences/label_types.py#L31-L53, PickBest). In memory queries are left-padded.
+"""
+
+import glob
+import json
+import os
+import random
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from .cli import UserError
+from .text import left_pad, query_tokens, single_token, strip_pad
+
+LABELS_HUB_DATASET = "vwxyzjn/lm-human-preferences"
+
+
+class LabelFileError(UserError):
+    """A label file that cannot be used; the message names the file, the record and the field."""
+
+
+@dataclass
+class Labels:
+    queries: torch.Tensor  # (N, Q) left-padded
+    samples: torch.Tensor  # (N, K, R)
+    best: torch.Tensor  # (N,)
+
+    def __len__(self) -> int:
+        return len(self.best)
+
+    def __getitem__(self, index) -> "Labels":
+        return Labels(self.queries[index], self.samples[index], self.best[index])
+
+    def to(self, device) -> "Labels":
+        return Labels(self.queries.to(device), self.samples.to(device), self.best.to(device))
+
+
+def read_label_text(source: str) -> str:
+    """The text of a label file: local path, http(s) URL, or `hub:PATH` in the hub dataset."""
+    if source.startswith(("http://", "https://")):
+        try:
+            with urllib.request.urlopen(source, timeout=60) as response:
+                return response.read().decode("utf-8")
+        except OSError as e:
+            raise LabelFileError(f"labels.source={source}: cannot download ({e}); pass a local file with --labels.source") from e
+    if source.startswith("hub:"):
+        from huggingface_hub import hf_hub_download
+
+        try:
+            path = hf_hub_download(LABELS_HUB_DATASET, source[len("hub:"):], repo_type="dataset")
+        except Exception as e:  # the hub raises many kinds; all mean the same to the user
+            raise LabelFileError(f"labels.source={source}: cannot fetch from the hub dataset {LABELS_HUB_DATASET} ({e})") from e
+        source = path
+    if not os.path.isfile(source):
+        raise LabelFileError(f"labels.source={source}: no such file")
+    with open(source, encoding="utf-8") as f:
+        return f.read()
+
+
+def parse_labels(
+    text: str, source: str, *, num_responses: int, query_length: int, response_length: int, vocab_size: int, pad_id: int
+) -> Labels:
+    """Validate every record of a label file and return it as tensors."""
+    try:
+        records = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise LabelFileError(f"{source}: not JSON ({e})") from e
+    if not isinstance(records, list) or not records:
+        raise LabelFileError(f"{source}: expected a non-empty JSON list of label records")
+    lengths = {"query": query_length, **{f"sample{k}": response_length for k in range(num_responses)}}
+    queries, samples, best = [], [], []
+    for i, record in enumerate(records):
+        if not isinstance(record, dict):
+            raise LabelFileError(f"{source}: record {i}: expected an object with fields {', '.join(lengths)}, best")
+        for name, length in lengths.items():
+            tokens = record.get(name)
+            if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+                raise LabelFileError(f"{source}: record {i}: field {name!r} must be a list of token ids")
+            if len(tokens) != length:
+                what = "query_length" if name == "query" else "response_length"
+                raise LabelFileError(f"{source}: record {i}: field {name!r} has {len(tokens)} tokens, expected {length} ({what})")
+            bad = [t for t in tokens if not (0 <= t < vocab_size or t == pad_id)]
+            if bad:
+                raise LabelFileError(
+                    f"{source}: record {i}: field {name!r} has token id {bad[0]} outside the vocab [0, {vocab_size}) "
+                    f"and is not the pad id {pad_id}: labels from another tokenizer?"
+                )
+        b = record.get("best")
+        if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < num_responses:
+            raise LabelFileError(f"{source}: record {i}: field 'best' is {b!r}, expected an integer in [0, {num_responses})")
+        queries.append(strip_pad(record["query"], pad_id))
+        samples.append([record[f"sample{k}"] for k in range(num_responses)])
+        best.append(b)
+    return Labels(left_pad(queries, query_length, pad_id), torch.tensor(samples, dtype=torch.long), torch.tensor(best))
+
+
+def load_labels(source: str, **kwargs) -> Labels:
+    return parse_labels(read_label_text(source), source, **kwargs)
+
+
+def write_labels(path: str, labels: Labels, pad_id: int) -> None:
+    """OAI's JSON format: queries right-padded."""
+    query_length = labels.queries.shape[1]
+    records = []
+    for query, samples, best in zip(labels.queries, labels.samples, labels.best):
+        q = strip_pad(query, pad_id)
+        record = {"query": q + [pad_id] * (query_length - len(q))}
+        record.update({f"sample{k}": s.tolist() for k, s in enumerate(samples)})
+        record["best"] = int(best)
+        records.append(record)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(records, f)
+    os.replace(path + ".tmp", path)
+
+
+# ---------------------------------------------------------------- query datasets
+
+
+def chatterbot_texts() -> list[str]:
+    """The English sentences of the `chatterbot-corpus` package (about 4,400), offline."""
+    import importlib.util
+
+    import yaml
+
+    spec = importlib.util.find_spec("chatterbot_corpus")
+    if spec is None:
+        raise RuntimeError("query_dataset=chatterbot needs the package: pip install chatterbot-corpus")
+    texts = []
+    for path in sorted(glob.glob(os.path.join(spec.submodule_search_locations[0], "data", "english", "*.yml"))):
+        with open(path, encoding="utf-8") as f:
+            for conversation in yaml.safe_load(f).get("conversations", []):
+                texts.extend(s.strip() for s in conversation if isinstance(s, str) and s.strip())
+    return texts
+
+
+def document_stream(name: str, seed: int) -> Iterator[str]:
+    """Documents of a query dataset, shuffled by `seed`, forever (epoch after epoch)."""
+    if name == "chatterbot":
+        texts = chatterbot_texts()
+        rng = random.Random(seed)
+        while True:
+            order = list(range(len(texts)))
+            rng.shuffle(order)
+            yield from (texts[i] for i in order)
+    elif name == "books":
+        import datasets
+
+        epoch = 0
+        while True:  # bookcorpus is large: stream it through a shuffle buffer
+            stream = datasets.load_dataset("bookcorpus", split="train", streaming=True)
+            yield from (row["text"] for row in stream.shuffle(seed=seed + epoch, buffer_size=10_000))
+            epoch += 1
+    else:
+        raise UserError(f"task.query_dataset={name!r} is unknown; choose books or chatterbot")
+
+
+class QuerySampler:
+    """Batches of left-padded queries (B, query_length), this rank's share of a shuffled stream.
+
+    Each rank reads every `world_size`-th usable document (# OAI: lm_human_preferences/language/datasets.py#L80-L85,
+    `shard`). `batches_drawn` is the position to resume from.
+    """
+
+    def __init__(self, task, tokenizer, batch_size: int, seed: int, rank: int = 0, world_size: int = 1):
+        self.task, self.tokenizer, self.batch_size = task, tokenizer, batch_size
+        self.pad_id = tokenizer.oai_pad_token_id
+        self.start_token = single_token(tokenizer, task.start_text, "task.start_text")
+        self.end_token = single_token(tokenizer, task.end_text, "task.end_text")
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.batches_drawn = 0
+        self._queries = self._query_stream()
+
+    def _query_stream(self) -> Iterator[list[int]]:
+        index = 0
+        for text in document_stream(self.task.query_dataset, self.seed):
+            tokens = query_tokens(self.tokenizer.encode(text, add_special_tokens=False), self.task.query_length, self.start_token, self.end_token)
+            if not tokens:
+                continue
+            if index % self.world_size == self.rank:
+                yield tokens
+            index += 1
+
+    def __next__(self) -> torch.Tensor:
+        batch = [next(self._queries) for _ in range(self.batch_size)]
+        self.batches_drawn += 1
+        return left_pad(batch, self.task.query_length, self.pad_id)
+
+    def __iter__(self):
+        return self
+
+    def skip(self, num_batches: int) -> None:
+        """Fast-forward to where a run that drew `num_batches` batches stopped."""
+        for _ in range(num_batches):
+            next(self)
+
+
+def format_queries(queries: torch.Tensor, prefix: list[int], suffix: list[int], pad_id: int) -> torch.Tensor:
+    """prefix + query + suffix, left-padded: what the policy reads (the reward model reads the bare query).
+
+    # OAI: lm_human_preferences/lm_tasks.py#L68-L79 (query_formatter)
+    """
+    if not prefix and not suffix:
+        return queries
+    rows = [prefix + strip_pad(q, pad_id) + suffix for q in queries]
+    return left_pad(rows, queries.shape[1] + len(prefix) + len(suffix), pad_id)

@@ -1,0 +1,80 @@
+"""Make best-of-N preference labels with a programmatic labeler, in OAI's label-file format.
+
+For each query the reference policy samples N responses (fixed length, the task's temperature,
+truncated like the responses OAI showed its labelers), the labeler scores them, and the best
+one's index is the label. `python -m lm_human_preference_details.make_labels --task tiny --output labels.json`
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+import tyro
+
+from . import cli, labelers, tasks
+from .data import Labels, QuerySampler, format_queries, write_labels
+from .models import load_causal_lm
+from .sampling import sample_responses
+from .tasks import TaskHParams
+from .text import load_tokenizer, strip_pad, truncate_after_token
+
+
+@dataclass
+class Args:
+    preset: tyro.conf.Suppress[str] = "sentiment"
+    task: TaskHParams = field(default_factory=TaskHParams)
+    labeler: str = "vader"
+    """`vader`, `vowels`, or `module:function` scoring (query texts, response texts) -> floats"""
+    num_labels: int = 512
+    """label records to write"""
+    num_responses: int = 4
+    """responses per query (best_of_N)"""
+    batch_size: int = 64
+    """queries sampled at once"""
+    seed: int = 1
+    """seed of the query order and of sampling"""
+    output: str = "labels.json"
+    """where to write the label file"""
+
+
+@torch.no_grad()
+def make_labels(lm, tokenizer, sampler: QuerySampler, task: TaskHParams, labeler: labelers.Labeler, num_labels: int, num_responses: int) -> Labels:
+    """`num_labels` best-of-`num_responses` labels of the policy `lm`'s samples."""
+    pad_id = tokenizer.oai_pad_token_id
+    prefix = tokenizer.encode(task.query_prefix, add_special_tokens=False)
+    suffix = tokenizer.encode(task.query_suffix, add_special_tokens=False)
+    queries, samples, best = [], [], []
+    while sum(len(q) for q in queries) < num_labels:
+        query = next(sampler)  # (B, Q)
+        contexts = format_queries(query, prefix, suffix, pad_id).repeat_interleave(num_responses, dim=0)
+        responses, _ = sample_responses(lm, contexts, pad_id, task.response_length, task.temperature)  # (B*K, R)
+        if task.truncate_token is not None:
+            responses = truncate_after_token(responses, task.truncate_token, task.truncate_after, pad_id)
+        query_texts = [tokenizer.decode(strip_pad(q, pad_id)) for q in query.repeat_interleave(num_responses, dim=0)]
+        response_texts = [tokenizer.decode(strip_pad(r, pad_id)) for r in responses]
+        scores = torch.tensor(labeler(query_texts, response_texts), dtype=torch.float64).view(-1, num_responses)
+        queries.append(query)
+        samples.append(responses.view(len(query), num_responses, -1))
+        best.append(labelers.pick_best(scores))
+    return Labels(torch.cat(queries), torch.cat(samples), torch.cat(best))[:num_labels]
+
+
+def defaults_for_task(name: str) -> Args:
+    preset = tasks.get_preset(name)
+    return Args(preset=name, task=preset.task, labeler=preset.labels.labeler or "vader")
+
+
+@cli.main_with_user_errors
+def main() -> None:
+    args = cli.parse(Args, defaults_for_task, default_task="sentiment")
+    torch.manual_seed(args.seed)
+    labeler = labelers.load_labeler(args.labeler)
+    tokenizer = load_tokenizer(args.task.base_model)
+    lm = load_causal_lm(args.task.base_model)
+    sampler = QuerySampler(args.task, tokenizer, batch_size=args.batch_size, seed=args.seed)
+    labels = make_labels(lm, tokenizer, sampler, args.task, labeler, args.num_labels, args.num_responses)
+    write_labels(args.output, labels, tokenizer.oai_pad_token_id)
+    print(f"wrote {len(labels)} labels to {args.output}")
+
+
+if __name__ == "__main__":
+    main()

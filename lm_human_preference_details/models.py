@@ -1,0 +1,158 @@
+"""Policy with a value head, and the reward model, over any transformers causal LM.
+
+Every forward pass follows OAI's padding convention: the pad id (beyond the vocabulary) is
+masked out of attention and replaced by 0 in `input_ids`, and positions count real tokens
+only, so the amount of padding never changes the logits of real tokens.
+Modules are kept in eval mode: OAI trains without dropout (# OAI: lm_human_preferences/policy.py#L48).
+"""
+
+import json
+import os
+
+import torch
+import torch.nn as nn
+from safetensors.torch import load_file, save_file
+from transformers import AutoModel, AutoModelForCausalLM
+
+from .assets import resolve_model_path
+
+
+def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Exclusive cumulative sum of the mask: the index of each token among the real tokens.
+
+    Equals `tf.cumsum(mask, axis=1, exclusive=True)`.
+    # OAI: lm_human_preferences/language/model.py#L265-L269, #L296-L297, #L320
+    """
+    return torch.cumsum(mask, dim=1) - mask
+
+
+def masked_inputs(input_ids: torch.Tensor, pad_id: int) -> dict[str, torch.Tensor]:
+    """The keyword arguments of a transformers forward pass for ids padded with `pad_id`."""
+    mask = (input_ids != pad_id).long()
+    return dict(
+        input_ids=torch.where(mask.bool(), input_ids, torch.zeros_like(input_ids)),  # pad id is not in the embedding
+        attention_mask=mask,
+        position_ids=position_ids_from_mask(mask),
+    )
+
+
+def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax(logits / temperature) at `tokens`: (B, T, V), (B, T) -> (B, T).
+
+    Equivalent to `torch.gather((logits / temperature).log_softmax(-1), -1, tokens[..., None])[..., 0]`.
+    # OAI: lm_human_preferences/policy.py#L121 (logits divided by the temperature everywhere)
+    """
+    logits = logits.float() / temperature
+    return torch.gather(logits.log_softmax(-1), -1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def disable_dropout(model: nn.Module) -> nn.Module:
+    """No dropout anywhere (# OAI: lm_human_preferences/policy.py#L48): eval mode, gradients still flow."""
+    return model.eval()  # nothing in this project calls .train(); accelerate and DDP do not either
+
+
+def scalar_head(hidden_size: int, std: float) -> nn.Linear:
+    """A linear map to one number, weight N(0, std), bias 0 (# OAI: lm_human_preferences/language/model.py#L254)."""
+    head = nn.Linear(hidden_size, 1)
+    nn.init.normal_(head.weight, std=std)
+    nn.init.zeros_(head.bias)
+    return head
+
+
+def load_causal_lm(name_or_path: str) -> nn.Module:
+    return disable_dropout(AutoModelForCausalLM.from_pretrained(resolve_model_path(name_or_path), dtype=torch.float32))
+
+
+class PolicyAndValue(nn.Module):
+    """A causal LM and a value head on its final hidden states (shared trunk).
+
+    # OAI: lm_human_preferences/policy.py#L26-L28 (one model, scalar head `value`); the head starts
+    # at zero (REFERENCE detail 7, as the port that matched OAI's curves).
+    """
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+        self.value_head = scalar_head(lm.config.hidden_size, std=0.0)
+        disable_dropout(self)
+
+    def forward(self, input_ids: torch.Tensor, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, T) ids -> logits (B, T, V) and values (B, T)."""
+        hidden = self.lm.base_model(**masked_inputs(input_ids, pad_id)).last_hidden_state  # (B, T, H)
+        return self.lm.get_output_embeddings()(hidden), self.value_head(hidden).squeeze(-1)
+
+
+class RewardModel(nn.Module):
+    """reward = gain * head(h_last) + bias, on the LM trunk's final hidden state of the last token.
+
+    # OAI: lm_human_preferences/rewards.py#L43-L61 (head on the last token, gain and bias),
+    #L69-L71 (gain and bias are trained with the rest)
+    """
+
+    HEAD_FILE = "reward_head.safetensors"
+    META_FILE = "reward_model.json"
+
+    def __init__(self, backbone: nn.Module, base_model: str):
+        super().__init__()
+        self.backbone = backbone
+        self.base_model_name = base_model
+        d = backbone.config.hidden_size
+        self.head = scalar_head(d, std=1 / (d + 1) ** 0.5)  # OAI: lm_human_preferences/language/model.py#L254
+        self.gain = nn.Parameter(torch.ones(()))  # OAI: lm_human_preferences/rewards.py#L50-L51 (gain 1, bias 0)
+        self.bias = nn.Parameter(torch.zeros(()))
+        disable_dropout(self)
+
+    @classmethod
+    def from_pretrained_lm(cls, name_or_path: str) -> "RewardModel":
+        """A new reward head on a pretrained LM's trunk (OAI starts the reward model from the policy's LM)."""
+        backbone = AutoModel.from_pretrained(resolve_model_path(name_or_path), dtype=torch.float32)
+        return cls(backbone, base_model=name_or_path)
+
+    def forward(self, query_responses: torch.Tensor, pad_id: int) -> torch.Tensor:
+        """(B, T) ids -> (B,) rewards, read at the last position (# OAI: lm_human_preferences/rewards.py#L47)."""
+        hidden = self.backbone(**masked_inputs(query_responses, pad_id)).last_hidden_state  # (B, T, H)
+        return self.gain * self.head(hidden[:, -1]).squeeze(-1) + self.bias
+
+    @torch.no_grad()
+    def set_reward_norm(self, old_mean: float, old_std: float, new_mean: float = 0.0, new_std: float = 1.0) -> None:
+        """Set gain and bias so that rewards distributed N(old_mean, old_std) become N(new_mean, new_std).
+
+        Expects gain 1 and bias 0 (call `reset_reward_scale` first).
+        # OAI: lm_human_preferences/rewards.py#L77-L89
+        """
+        if self.gain.item() != 1.0 or self.bias.item() != 0.0:
+            raise RuntimeError(f"set_reward_norm expects gain 1 and bias 0, not {self.gain.item()}, {self.bias.item()}")
+        gain = new_std / old_std
+        self.gain.fill_(gain)
+        self.bias.fill_(new_mean - gain * old_mean)
+
+    @torch.no_grad()
+    def reset_reward_scale(self) -> None:
+        self.gain.fill_(1.0)
+        self.bias.fill_(0.0)
+
+    def save(self, path: str) -> None:
+        """A folder: the trunk as `save_pretrained` writes it, the head, gain and bias beside it."""
+        os.makedirs(path, exist_ok=True)
+        self.backbone.save_pretrained(path)
+        head = {"head.weight": self.head.weight, "head.bias": self.head.bias, "gain": self.gain, "bias": self.bias}
+        save_file({k: v.detach().contiguous() for k, v in head.items()}, os.path.join(path, self.HEAD_FILE))
+        with open(os.path.join(path, self.META_FILE), "w") as f:
+            json.dump({"base_model": self.base_model_name}, f)
+
+    @classmethod
+    def load(cls, path: str) -> "RewardModel":
+        if not os.path.exists(os.path.join(path, cls.HEAD_FILE)):
+            raise FileNotFoundError(f"{path} is not a reward model folder (no {cls.HEAD_FILE}); train one with train_reward.py")
+        with open(os.path.join(path, cls.META_FILE)) as f:
+            meta = json.load(f)
+        backbone = AutoModel.from_pretrained(path, dtype=torch.float32)
+        model = cls(backbone, base_model=meta["base_model"])
+        head = load_file(os.path.join(path, cls.HEAD_FILE))
+        with torch.no_grad():
+            model.head.weight.copy_(head["head.weight"])
+            model.head.bias.copy_(head["head.bias"])
+            model.gain.copy_(head["gain"])
+            model.bias.copy_(head["bias"])
+        return model
+

@@ -1,0 +1,58 @@
+"""Adam with TensorFlow 1's epsilon placement.
+
+OAI trains with `tf.train.AdamOptimizer(learning_rate, epsilon=1e-5)`
+(# OAI: lm_human_preferences/utils/core.py#L224-L229, `minimize`). TF1 folds the bias
+correction into the step size and adds epsilon to the *uncorrected* sqrt(v):
+
+    lr_t = lr * sqrt(1 - b2^t) / (1 - b1^t)
+    p   -= lr_t * m / (sqrt(v) + eps)
+
+`torch.optim.Adam` instead divides by `sqrt(v / (1 - b2^t)) + eps`, i.e. it bias-corrects
+before adding eps. Early in training sqrt(1 - b2^t) is small, so TF's eps is effectively
+`eps / sqrt(1 - b2^t)` in torch's terms, up to ~30x larger at t=1: TF1 Adam takes smaller
+first steps. With eps=1e-5 and small gradients (as in LM fine-tuning) the difference is
+large (see the ablation in benchmarks/ and the "N implementation details" post).
+"""
+
+import math
+
+import torch
+
+
+class AdamTensorFlowStyle(torch.optim.Optimizer):
+    """Adam exactly as `tf.compat.v1.train.AdamOptimizer` computes it (dense gradients)."""
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-5):
+        if lr < 0.0:
+            raise ValueError(f"AdamTensorFlowStyle: lr must be >= 0, got {lr}")
+        if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
+            raise ValueError(f"AdamTensorFlowStyle: betas must be in [0, 1), got {betas}")
+        if eps < 0.0:
+            raise ValueError(f"AdamTensorFlowStyle: eps must be >= 0, got {eps}")
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1
+                t = state["step"]
+                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+                exp_avg.lerp_(p.grad, 1 - beta1)  # m = b1*m + (1-b1)*g
+                exp_avg_sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                # the bias correction lives in the step size; eps is added to the uncorrected sqrt(v)
+                step_size = group["lr"] * math.sqrt(1 - beta2**t) / (1 - beta1**t)
+                p.addcdiv_(exp_avg, exp_avg_sq.sqrt().add_(group["eps"]), value=-step_size)
+        return loss

@@ -1,0 +1,43 @@
+"""Fixed-length sampling as OAI does it: plain categorical sampling from softmax(logits / T).
+
+No top-k, no nucleus (top_k=0, top_p=1), and no stop at EOS: every response has exactly
+`response_length` tokens (# OAI: lm_human_preferences/language/sample.py#L43, policy.py#L103).
+A decode loop of our own with the model's KV cache, rather than `generate`, so that these
+semantics (and the position ids of left-padded queries) are explicit and cannot drift.
+"""
+
+import torch
+
+from .models import masked_inputs
+
+
+@torch.no_grad()
+def sample_responses(
+    lm: torch.nn.Module,
+    queries: torch.Tensor,
+    pad_id: int,
+    response_length: int,
+    temperature: float,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample `response_length` tokens after left-padded `queries` (B, Q).
+
+    Returns responses (B, R) and their logprobs under softmax(logits / temperature) (B, R).
+    """
+    inputs = masked_inputs(queries, pad_id)
+    mask = inputs["attention_mask"]
+    next_position = mask.sum(dim=1, keepdim=True)  # (B, 1): real tokens so far
+    out = lm(**inputs, use_cache=True)
+    tokens, logprobs = [], []
+    for step in range(response_length):
+        logits = out.logits[:, -1].float() / temperature  # OAI: lm_human_preferences/policy.py#L121
+        log_probs = logits.log_softmax(-1)  # (B, V)
+        token = torch.multinomial(log_probs.exp(), 1, generator=generator)  # (B, 1)
+        tokens.append(token)
+        logprobs.append(torch.gather(log_probs, 1, token))
+        if step + 1 == response_length:
+            break
+        mask = torch.cat([mask, torch.ones_like(token)], dim=1)
+        out = lm(input_ids=token, attention_mask=mask, position_ids=next_position, cache=out.cache, use_cache=True)
+        next_position = next_position + 1
+    return torch.cat(tokens, dim=1), torch.cat(logprobs, dim=1)

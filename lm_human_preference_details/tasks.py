@@ -1,0 +1,123 @@
+"""Named experiments: OAI's `launch.py` presets, plus offline ones that run on a CPU.
+
+A preset fills the defaults of a stage's `Args`; any flag on the command line overrides it.
+"""
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from .assets import SMOLLM2, TINY
+from .cli import UserError
+
+OAI_LABELS = "https://openaipublic.blob.core.windows.net/lm-human-preferences/labels"
+
+
+@dataclass
+class TaskHParams:
+    """What the policy reads and writes (# OAI: lm_human_preferences/lm_tasks.py#L16-L34)."""
+
+    base_model: str = "gpt2"
+    """the pretrained LM that starts the policy, the reference policy and the reward model: a hub name,
+    a local folder, or an offline preset (`tiny`, `smollm2-135m`)"""
+    query_dataset: str = "books"
+    """where queries come from: `books` (hub bookcorpus), `chatterbot` (offline English sentences)"""
+    query_length: int = 64
+    """tokens per query, padded with the pad id beyond the vocab"""
+    query_prefix: str = ""
+    """text put before every query the policy reads"""
+    query_suffix: str = ""
+    """text put after every query the policy reads"""
+    start_text: str | None = "."
+    """a query starts after the first occurrence of this token in the document (None: at its start)"""
+    end_text: str | None = None
+    """a query is cut after the last occurrence of this token (None: not cut)"""
+    response_length: int = 24
+    """tokens per response; sampling never stops early"""
+    truncate_token: int | None = None
+    """responses are cut after the first of this token id at or after `truncate_after` (None: not cut)"""
+    truncate_after: int = 0
+    """the first index at which `truncate_token` counts"""
+    penalty_reward_value: float = -1.0
+    """the score of a response that lacks `truncate_token` at or after `truncate_after`"""
+    temperature: float = 1.0
+    """sampling temperature; logits are divided by it wherever logprobs are computed"""
+
+
+@dataclass
+class LabelHParams:
+    """Where the reward model's labels come from (# OAI: lm_human_preferences/train_reward.py#L22-L26)."""
+
+    type: str = "best_of_4"
+    """`best_of_N`: a query, N responses, the index of the best one"""
+    num_train: int = 4992
+    """labels trained on, the first ones of the file, one epoch"""
+    num_test: int = 0
+    """labels after the training ones held out to measure accuracy (0: none)"""
+    source: str | None = None
+    """a label file in OAI's JSON format: a local path, an http(s) URL, or `hub:FILE` in the hub dataset
+    vwxyzjn/lm-human-preferences; None: make labels on the spot with `labeler`"""
+    labeler: str | None = None
+    """when `source` is None: `vader`, `vowels`, or `module:function` scoring (queries, responses) -> floats"""
+
+    @property
+    def num_responses(self) -> int:
+        if not self.type.startswith("best_of_") or not self.type[len("best_of_"):].isdigit():
+            raise UserError(f"labels.type={self.type!r} is not supported; use best_of_N, e.g. best_of_4")
+        return int(self.type[len("best_of_"):])
+
+
+@dataclass
+class TaskPreset:
+    task: TaskHParams
+    labels: LabelHParams
+    reward: dict = field(default_factory=dict)
+    """overrides of train_reward.Args fields"""
+    policy: dict = field(default_factory=dict)
+    """overrides of train_policy.Args fields"""
+
+
+def _books(labels: str) -> TaskPreset:
+    # OAI: lm_human_preferences/launch.py (books_task, sentiment / descriptiveness experiments)
+    return TaskPreset(
+        task=TaskHParams(
+            base_model="gpt2", query_dataset="books", query_length=64, start_text=".", end_text=".",
+            response_length=24, truncate_token=13, truncate_after=16, temperature=0.7,
+        ),
+        labels=LabelHParams(type="best_of_4", num_train=4992, source=f"{OAI_LABELS}/{labels}/offline_5k.json"),
+        reward=dict(batch_size=32, lr=5e-5, rollout_batch_size=512, normalize_samples=256),
+    )
+
+
+PRESETS: dict[str, TaskPreset] = {
+    "sentiment": _books("sentiment"),
+    "descriptiveness": _books("descriptiveness"),
+    # seconds on a CPU: a 2-layer character-level GPT-2 learns to prefer vowels (labels made on the spot)
+    "tiny": TaskPreset(
+        task=TaskHParams(
+            base_model=TINY, query_dataset="chatterbot", query_length=16, start_text=None, end_text=None,
+            response_length=12, temperature=1.0,
+        ),
+        labels=LabelHParams(type="best_of_4", num_train=1536, num_test=256, labeler="vowels"),
+        reward=dict(batch_size=32, lr=1e-3, rollout_batch_size=128, normalize_samples=256),
+    ),
+    # a real pretrained LM, offline: SmolLM2-135M learns the vader labeler's taste for positive text
+    "sentiment-smollm2": TaskPreset(
+        task=TaskHParams(
+            base_model=SMOLLM2, query_dataset="chatterbot", query_length=24, start_text=None, end_text=None,
+            response_length=16, temperature=0.7,
+        ),
+        labels=LabelHParams(type="best_of_4", num_train=384, num_test=128, labeler="vader"),
+        reward=dict(batch_size=16, lr=2e-5, rollout_batch_size=64, normalize_samples=128),
+    ),
+}
+
+
+def get_preset(name: str) -> TaskPreset:
+    if name not in PRESETS:
+        raise UserError(f"--task {name!r} is unknown; choose one of {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def apply_overrides(args, overrides: dict):
+    """A copy of the dataclass `args` with top-level fields replaced."""
+    return dataclasses.replace(args, **overrides)

@@ -1,0 +1,257 @@
+"""Stage 1: train a reward model from best-of-N preference labels, as OAI's `train_reward.py` does.
+
+    normalize before: gain, bias := 1, 0; score responses of the reference policy; set gain, bias so
+                      that they score N(0, 1)
+    one epoch over the first `num_train` labels, LR annealed linearly to 0:
+        loss = cross-entropy of softmax(r(q, y_0..y_N-1)) against `best`
+    normalize after:  the same again, so the KL coefficient of stage 2 keeps its meaning
+    save the reward model (safetensors + config) for train_policy.py
+
+`python -m lm_human_preference_details.train_reward --task tiny --output-dir runs/rm`
+`accelerate launch lm_human_preference_details/train_reward.py --task sentiment`
+"""
+
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+import tyro
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+
+from lm_human_preference_details import cli, labelers, tasks
+from lm_human_preference_details.data import Labels, QuerySampler, format_queries, load_labels, write_labels
+from lm_human_preference_details.make_labels import make_labels
+from lm_human_preference_details.models import RewardModel, load_causal_lm
+from lm_human_preference_details.optim import AdamTensorFlowStyle
+from lm_human_preference_details.sampling import sample_responses
+from lm_human_preference_details.tasks import LabelHParams, TaskHParams
+from lm_human_preference_details.text import load_tokenizer
+from lm_human_preference_details.tracking import Tracker, WandbMode
+
+
+@dataclass
+class Args:
+    preset: tyro.conf.Suppress[str] = "sentiment"
+    task: TaskHParams = field(default_factory=TaskHParams)
+    labels: LabelHParams = field(default_factory=LabelHParams)
+    batch_size: int = 32
+    """labels per optimizer step, over all processes (OAI: 32 for books tasks)"""
+    lr: float = 5e-5
+    """learning rate at the start; annealed linearly to 0 over the epoch"""
+    adam_eps: float = 1e-5
+    """Adam epsilon (OAI: TF1 default for its runs, 1e-5)"""
+    optimizer: str = "adam_tf"
+    """`adam_tf`: TensorFlow 1's Adam as OAI (eps outside the bias correction); `adam_torch`: torch.optim.Adam"""
+    rollout_batch_size: int = 512
+    """queries sampled at once from the reference policy to normalize the reward, over all processes"""
+    normalize_before: bool = True
+    """before training, set gain and bias so that the reward of reference samples is N(0, 1)"""
+    normalize_after: bool = True
+    """after training, the same again, so that a KL coefficient always means the same"""
+    normalize_samples: int = 256
+    """reference samples that estimate the reward's mean and std (rounded up to whole rollout batches)"""
+    debug_normalize: int = 0
+    """reference samples that re-measure mean and std after normalizing (0: do not)"""
+    seed: int = 1
+    """process r uses seed + r * 100003"""
+    output_dir: str = "runs/reward"
+    """metrics.jsonl, args.json, labels made on the spot, and the trained model under reward_model/"""
+    wandb_mode: WandbMode = "auto"
+    """`auto`: online with WANDB_API_KEY, else offline"""
+    wandb_project: str = "lm-human-preference-details"
+    run_name: str | None = None
+    """wandb run name (default: reward_<preset>_<seed>)"""
+
+
+def defaults_for_task(name: str) -> Args:
+    preset = tasks.get_preset(name)
+    return tasks.apply_overrides(Args(preset=name, task=preset.task, labels=preset.labels), preset.reward)
+
+
+def validate(args: Args, world_size: int) -> None:
+    """Fail before any work on combinations that cannot run (# OAI: lm_human_preferences/train_reward.py#L58-L60)."""
+    if args.labels.num_train <= 0 or args.labels.num_train % args.batch_size:
+        raise cli.UserError(f"labels.num_train={args.labels.num_train} must be a positive multiple of batch_size={args.batch_size}")
+    if args.batch_size % world_size:
+        raise cli.UserError(f"batch_size={args.batch_size} must divide evenly over {world_size} processes")
+    if args.rollout_batch_size % world_size:
+        raise cli.UserError(f"rollout_batch_size={args.rollout_batch_size} must divide evenly over {world_size} processes")
+    if (args.normalize_before or args.normalize_after) and args.normalize_samples <= 0:
+        raise cli.UserError("normalize_samples must be positive when normalize_before or normalize_after is set")
+    if args.labels.source is None and args.labels.labeler is None:
+        raise cli.UserError("labels: give --labels.source FILE or --labels.labeler NAME to make labels on the spot")
+    if args.optimizer not in ("adam_tf", "adam_torch"):
+        raise cli.UserError(f"optimizer={args.optimizer!r}: choose adam_tf or adam_torch")
+    _ = args.labels.num_responses  # raises on a labels.type that is not best_of_N
+
+
+def make_optimizer(name: str, params, lr: float, eps: float) -> torch.optim.Optimizer:
+    if name == "adam_tf":
+        return AdamTensorFlowStyle(params, lr=lr, eps=eps)  # OAI: lm_human_preferences/utils/core.py (minimize)
+    return torch.optim.Adam(params, lr=lr, eps=eps)
+
+
+def query_responses_of(queries: torch.Tensor, samples: torch.Tensor) -> torch.Tensor:
+    """(B, Q), (B, K, R) -> (B*K, Q+R): each query before each of its responses (# OAI: rewards.py#L105-L107)."""
+    num_responses = samples.shape[1]
+    return torch.cat([queries.repeat_interleave(num_responses, dim=0), samples.flatten(0, 1)], dim=1)
+
+
+def reward_logits(reward_model, labels: Labels, pad_id: int) -> torch.Tensor:
+    """(B, K): the reward of every response of every label (# OAI: lm_human_preferences/label_types.py#L43-L49)."""
+    return reward_model(query_responses_of(labels.queries, labels.samples), pad_id).view(labels.samples.shape[:2])
+
+
+@torch.no_grad()
+def reference_reward_stats(reward_model, ref_lm, sampler: QuerySampler, task: TaskHParams, tokenizer, num_samples: int, accelerator) -> tuple[float, float]:
+    """Mean and population std of the reward of reference-policy samples, over all processes.
+
+    # OAI: lm_human_preferences/train_reward.py#L162-L168 (stats), #L184-L190 (sample_policy_batch):
+    responses are sampled untruncated, from the formatted query; the reward model reads the bare query.
+    """
+    pad_id = tokenizer.oai_pad_token_id
+    prefix = tokenizer.encode(task.query_prefix, add_special_tokens=False)
+    suffix = tokenizer.encode(task.query_suffix, add_special_tokens=False)
+    rollout_batch_size = sampler.batch_size * accelerator.num_processes
+    rewards = []
+    for _ in range(math.ceil(num_samples / rollout_batch_size)):
+        queries = next(sampler).to(accelerator.device)
+        responses, _ = sample_responses(ref_lm, format_queries(queries, prefix, suffix, pad_id), pad_id, task.response_length, task.temperature)
+        rewards.append(reward_model(torch.cat([queries, responses], dim=1), pad_id))
+    rewards = torch.cat(rewards).double()
+    sums = accelerator.reduce(torch.stack([rewards.sum(), rewards.square().sum(), torch.tensor(float(len(rewards)), dtype=torch.float64)]), "sum")
+    mean = sums[0] / sums[2]
+    return float(mean), float(torch.sqrt(sums[1] / sums[2] - mean**2))
+
+
+def normalize(reward_model, measure, debug_samples: int, tracker: Tracker, step: int, when: str, accelerator) -> None:
+    """gain, bias := 1, 0; measure; set gain and bias to map the measured N(mean, std) to N(0, 1).
+
+    # OAI: lm_human_preferences/train_reward.py#L196-L209 (normalize), rewards.py#L77-L89 (set_reward_norm).
+    For best_of_N labels the target is N(0, 1) both before and after (PickBest.target_scales is None).
+    """
+    reward_model.reset_reward_scale()
+    mean, std = measure(None)
+    reward_model.set_reward_norm(old_mean=mean, old_std=std, new_mean=0.0, new_std=1.0)
+    gain, bias = reward_model.gain.item(), reward_model.bias.item()
+    stats = {f"norm/{when}/mean": mean, f"norm/{when}/std": std, f"norm/{when}/gain": gain, f"norm/{when}/bias": bias}
+    if debug_samples:
+        stats[f"norm/{when}/check_mean"], stats[f"norm/{when}/check_std"] = measure(debug_samples)
+    accelerator.print(f"normalize {when}: reward {mean:.4f} +- {std:.4f} -> gain {gain:.4f}, bias {bias:.4f}")
+    tracker.log(step, stats)
+
+
+def obtain_labels(args: Args, tokenizer, ref_lm, accelerator) -> Labels:
+    """The label file, or labels made on the spot by the main process with `labels.labeler`."""
+    label_kwargs = dict(
+        num_responses=args.labels.num_responses, query_length=args.task.query_length,
+        response_length=args.task.response_length, vocab_size=len(tokenizer), pad_id=tokenizer.oai_pad_token_id,
+    )
+    source = args.labels.source
+    if source is None:
+        source = os.path.join(args.output_dir, "labels.json")
+        if accelerator.is_main_process:
+            needed = args.labels.num_train + args.labels.num_test
+            accelerator.print(f"making {needed} labels with the {args.labels.labeler!r} labeler")
+            # its own query stream, so that labels and normalization samples do not share queries
+            sampler = QuerySampler(args.task, tokenizer, batch_size=args.rollout_batch_size, seed=args.seed + 1_000_003)
+            labeler = labelers.load_labeler(args.labels.labeler)
+            labels = make_labels(ref_lm, tokenizer, sampler, args.task, labeler, needed, args.labels.num_responses)
+            write_labels(source, labels, tokenizer.oai_pad_token_id)
+        accelerator.wait_for_everyone()
+    labels = load_labels(source, **label_kwargs)
+    if len(labels) < args.labels.num_train + args.labels.num_test:
+        raise cli.UserError(
+            f"labels.source={source} has {len(labels)} labels, fewer than labels.num_train + labels.num_test = "
+            f"{args.labels.num_train + args.labels.num_test}"
+        )
+    return labels
+
+
+@torch.no_grad()
+def accuracy(reward_model, labels: Labels, pad_id: int, batch_size: int, accelerator) -> float:
+    """Share of labels whose best response gets the highest reward, over all processes."""
+    mine = labels[accelerator.process_index :: accelerator.num_processes].to(accelerator.device)
+    correct = sum(
+        (reward_logits(reward_model, mine[i : i + batch_size], pad_id).argmax(1) == mine.best[i : i + batch_size]).sum()
+        for i in range(0, len(mine), batch_size)
+    )
+    counts = accelerator.reduce(torch.tensor([float(correct), float(len(mine))], device=accelerator.device), "sum")
+    return float(counts[0] / counts[1])
+
+
+def train(args: Args, accelerator: Accelerator) -> str:
+    """Run stage 1; returns the folder of the trained reward model."""
+    validate(args, accelerator.num_processes)
+    set_seed(args.seed + accelerator.process_index * 100003)  # OAI: lm_human_preferences/utils/core.py#L108-L111
+    tracker = Tracker(
+        args.output_dir, args, enabled=accelerator.is_main_process, wandb_mode=args.wandb_mode,
+        project=args.wandb_project, run_name=args.run_name or f"reward_{args.preset}_{args.seed}",
+    )
+    device = accelerator.device
+    tokenizer = load_tokenizer(args.task.base_model)
+    pad_id = tokenizer.oai_pad_token_id
+    ref_lm = load_causal_lm(args.task.base_model).to(device).requires_grad_(False)
+    reward_model = RewardModel.from_pretrained_lm(args.task.base_model).to(device)
+    labels = obtain_labels(args, tokenizer, ref_lm, accelerator)
+    train_labels = labels[: args.labels.num_train]
+    test_labels = labels[args.labels.num_train : args.labels.num_train + args.labels.num_test]
+    sampler = QuerySampler(
+        args.task, tokenizer, batch_size=args.rollout_batch_size // accelerator.num_processes,
+        seed=args.seed, rank=accelerator.process_index, world_size=accelerator.num_processes,
+    )
+
+    def measure(num_samples):
+        return reference_reward_stats(reward_model, ref_lm, sampler, args.task, tokenizer, num_samples or args.normalize_samples, accelerator)
+
+    if args.normalize_before:  # OAI: lm_human_preferences/train_reward.py#L232-L234
+        normalize(reward_model, measure, args.debug_normalize, tracker, 0, "before", accelerator)
+
+    optimizer = make_optimizer(args.optimizer, reward_model.parameters(), args.lr, args.adam_eps)
+    model, optimizer = accelerator.prepare(reward_model, optimizer)
+    # one shuffle shared by all processes, so each label is trained on exactly once (# OAI: train_reward.py#L240-L241)
+    order = torch.randperm(args.labels.num_train, generator=torch.Generator().manual_seed(args.seed))
+    num_steps = args.labels.num_train // args.batch_size
+    for step, start in enumerate(range(0, args.labels.num_train, args.batch_size), start=1):
+        lr = (1 - start / args.labels.num_train) * args.lr  # OAI: lm_human_preferences/train_reward.py#L249
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        batch = train_labels[order[start : start + args.batch_size][accelerator.process_index :: accelerator.num_processes]].to(device)
+        logits = reward_logits(model, batch, pad_id)  # (b, K)
+        loss = F.cross_entropy(logits, batch.best)  # OAI: lm_human_preferences/label_types.py#L43-L49
+        optimizer.zero_grad()
+        accelerator.backward(loss)
+        optimizer.step()
+        stats = accelerator.reduce(torch.stack([loss.detach(), (logits.argmax(1) == batch.best).float().mean()]), "mean")
+        tracker.log(step, {"train/loss": stats[0], "train/accuracy": stats[1], "train/lr": lr})
+        if step % max(1, num_steps // 10) == 0 or step == num_steps:
+            accelerator.print(f"step {step}/{num_steps}  loss {float(stats[0]):.4f}  accuracy {float(stats[1]):.3f}")
+
+    if len(test_labels):
+        test_accuracy = accuracy(reward_model, test_labels, pad_id, args.batch_size, accelerator)
+        tracker.log(num_steps, {"test/accuracy": test_accuracy})
+        accelerator.print(f"held-out accuracy on {len(test_labels)} labels: {test_accuracy:.3f} (chance {1 / args.labels.num_responses:.3f})")
+    if args.normalize_after:  # OAI: lm_human_preferences/train_reward.py#L252-L254
+        normalize(reward_model, measure, args.debug_normalize, tracker, num_steps, "after", accelerator)
+
+    path = os.path.join(args.output_dir, "reward_model")
+    if accelerator.is_main_process:
+        reward_model.save(path)
+        tokenizer.save_pretrained(path)
+        accelerator.print(f"saved the reward model to {path}")
+    accelerator.wait_for_everyone()
+    tracker.finish()
+    return path
+
+
+@cli.main_with_user_errors
+def main() -> None:
+    args = cli.parse(Args, defaults_for_task, default_task="sentiment")
+    train(args, Accelerator())
+
+
+if __name__ == "__main__":
+    main()

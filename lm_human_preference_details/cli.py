@@ -5,6 +5,7 @@ import sys
 from collections.abc import Callable
 from typing import TypeVar
 
+import torch
 import transformers
 import tyro
 
@@ -31,6 +32,18 @@ def parse(args_type: type[T], defaults_for_task: Callable[[str], T], default_tas
             del argv[i]
             break
     return tyro.cli(args_type, default=defaults_for_task(task), args=argv)
+
+
+def make_accelerator():
+    """An Accelerator that runs on the CPU, with gloo across processes, when there is no GPU.
+
+    `accelerate launch --cpu` starts a single process whatever --num_processes says (accelerate 1.x);
+    `accelerate launch --multi_gpu --num_processes 2` (or `torchrun --nproc_per_node 2`) starts two, and
+    without a GPU they train on the CPU over gloo.
+    """
+    from accelerate import Accelerator
+
+    return Accelerator(cpu=not torch.cuda.is_available())
 
 
 def main_with_user_errors(main: Callable[[], None]) -> Callable[[], None]:

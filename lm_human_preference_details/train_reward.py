@@ -250,7 +250,7 @@ def train(args: Args, accelerator: Accelerator) -> str:
 @cli.main_with_user_errors
 def main() -> None:
     args = cli.parse(Args, defaults_for_task, default_task="sentiment")
-    train(args, Accelerator())
+    train(args, cli.make_accelerator())
 
 
 if __name__ == "__main__":

@@ -85,6 +85,10 @@ def _books(labels: str) -> TaskPreset:
         ),
         labels=LabelHParams(type="best_of_4", num_train=4992, source=f"{OAI_LABELS}/{labels}/offline_5k.json"),
         reward=dict(batch_size=32, lr=5e-5, rollout_batch_size=512, normalize_samples=256),
+        policy=dict(
+            rewards=dict(kl_coef=0.15, adaptive_kl=True, target_kl=6.0, horizon=10000),
+            ppo=dict(total_episodes=1_000_000, batch_size=512, lr=1e-5, noptepochs=4, nminibatches=1),
+        ),
     )
 
 
@@ -99,6 +103,11 @@ PRESETS: dict[str, TaskPreset] = {
         ),
         labels=LabelHParams(type="best_of_4", num_train=1536, num_test=256, labeler="vowels"),
         reward=dict(batch_size=32, lr=1e-3, rollout_batch_size=128, normalize_samples=256),
+        policy=dict(
+            eval_labeler="vowels",
+            rewards=dict(kl_coef=0.05, adaptive_kl=True, target_kl=3.0, horizon=2000),
+            ppo=dict(total_episodes=64 * 30, batch_size=64, lr=3e-4, noptepochs=4, nminibatches=1),
+        ),
     ),
     # a real pretrained LM, offline: SmolLM2-135M learns the vader labeler's taste for positive text
     "sentiment-smollm2": TaskPreset(

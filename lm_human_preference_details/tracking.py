@@ -14,7 +14,9 @@ WandbMode = Literal["auto", "online", "offline", "disabled"]
 
 
 class Tracker:
-    def __init__(self, output_dir: str, config, *, enabled: bool, wandb_mode: WandbMode, project: str, run_name: str, resume: bool = False):
+    def __init__(self, output_dir: str, config, *, enabled: bool, wandb_mode: WandbMode, project: str, run_name: str, resume_after_step: int | None = None):
+        """`resume_after_step`: continue the run's files, dropping what was logged after that step
+        (a run killed after its last checkpoint logged steps that the resumed run logs again)."""
         self.enabled = enabled
         self.wandb = None
         if not enabled:
@@ -23,8 +25,8 @@ class Tracker:
         config_dict = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
         with open(os.path.join(output_dir, "args.json"), "w") as f:
             json.dump(config_dict, f, indent=2)
-        self.metrics_file = open(os.path.join(output_dir, "metrics.jsonl"), "a" if resume else "w")
-        self.samples_file = open(os.path.join(output_dir, "samples.jsonl"), "a" if resume else "w")
+        self.metrics_file = _open_log(os.path.join(output_dir, "metrics.jsonl"), resume_after_step)
+        self.samples_file = _open_log(os.path.join(output_dir, "samples.jsonl"), resume_after_step)
         if wandb_mode == "auto":
             wandb_mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
         if wandb_mode != "disabled":
@@ -64,6 +66,17 @@ class Tracker:
         self.samples_file.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def _open_log(path: str, keep_up_to_step: int | None):
+    """A JSON-lines log opened for appending, keeping only records with step <= keep_up_to_step (None: a new log)."""
+    if keep_up_to_step is None or not os.path.exists(path):
+        return open(path, "w")
+    kept = [r for r in read_metrics(path) if r["step"] <= keep_up_to_step]
+    with open(path + ".tmp", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in kept)
+    os.replace(path + ".tmp", path)
+    return open(path, "a")
 
 
 def read_metrics(path: str) -> list[dict]:

@@ -1,0 +1,320 @@
+"""Stage 2: fine-tune the policy with PPO against the reward model, as OAI's `train_policy.py` does.
+
+    for update = 1 .. num_updates:
+        anneal the LR linearly to 0
+        rollout:  queries -> responses of exactly `response_length` tokens at the temperature
+        score:    truncate after `truncate_token`, reward model on query + truncated response,
+                  `penalty_reward_value` for responses without the token
+        rewards:  -kl_coef * (logprob - ref_logprob) per token, score added on the last token
+        for each of `noptepochs` epochs, for each of `nminibatches` shuffled minibatches:
+            whiten rewards (scale only), GAE, whiten advantages
+            clipped policy loss + vf_coef * clipped value loss, over `gradient_accumulation_steps`
+            micro-batches, one optimizer step (TF-style Adam)
+        KL coefficient updated from the KL averaged over all processes
+        log OAI's metrics; checkpoint every `save_interval` updates
+
+`python -m lm_human_preference_details.train_policy --task tiny --output-dir runs/ppo-tiny`
+`accelerate launch lm_human_preference_details/train_policy.py --task sentiment`
+"""
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+import tyro
+from accelerate.utils import set_seed
+
+from lm_human_preference_details import checkpoint, cli, labelers, ppo, tasks, train_reward
+from lm_human_preference_details.data import QuerySampler, format_queries
+from lm_human_preference_details.models import PolicyAndValue, RewardModel, load_causal_lm, logprobs_of
+from lm_human_preference_details.sampling import sample_responses
+from lm_human_preference_details.tasks import TaskHParams
+from lm_human_preference_details.text import contains_truncate_token, load_tokenizer, strip_pad, truncate_after_token
+from lm_human_preference_details.tracking import Tracker, WandbMode
+
+
+@dataclass
+class RewardHParams:
+    """The reward: a trained model and the KL penalty (# OAI: lm_human_preferences/train_policy.py#L30-L46)."""
+
+    trained_model: str | None = None
+    """folder written by train_reward.py; None: train one first in this run (OAI's train_new_model)"""
+    kl_coef: float = 0.15
+    """the KL coefficient (the initial one when adaptive)"""
+    adaptive_kl: bool = True
+    """steer the KL coefficient towards `target_kl`"""
+    target_kl: float = 6.0
+    """target of the summed per-response KL, in nats"""
+    horizon: float = 10000
+    """episodes over which the adaptive controller corrects its error"""
+
+
+@dataclass
+class PPOHParams:
+    """# OAI: lm_human_preferences/train_policy.py#L48-L67"""
+
+    total_episodes: int = 1_000_000
+    """responses sampled over the whole run"""
+    batch_size: int = 512
+    """responses per update, over all processes (OAI's ppo.batch_size)"""
+    nminibatches: int = 1
+    """minibatches per epoch; each is one optimizer step"""
+    noptepochs: int = 4
+    """passes over each batch"""
+    gradient_accumulation_steps: int = 1
+    """micro-batches per minibatch, to fit memory; does not change the math"""
+    lr: float = 1e-5
+    """learning rate at the start; annealed linearly to 0"""
+    adam_eps: float = 1e-5
+    """Adam epsilon (TF1 placement with `optimizer=adam_tf`)"""
+    optimizer: str = "adam_tf"
+    """`adam_tf`: TensorFlow 1's Adam as OAI; `adam_torch`: torch.optim.Adam (eps inside the bias correction)"""
+    vf_coef: float = 0.1
+    """weight of the value loss"""
+    cliprange: float = 0.2
+    """PPO clip range of the probability ratio"""
+    cliprange_value: float = 0.2
+    """clip range of the value change"""
+    gamma: float = 1.0
+    """discount"""
+    lam: float = 0.95
+    """GAE lambda"""
+    whiten_rewards: bool = True
+    """scale rewards to unit variance (mean kept) per minibatch before GAE"""
+
+
+@dataclass
+class Args:
+    preset: tyro.conf.Suppress[str] = "sentiment"
+    task: TaskHParams = field(default_factory=TaskHParams)
+    rewards: RewardHParams = field(default_factory=RewardHParams)
+    ppo: PPOHParams = field(default_factory=PPOHParams)
+    eval_labeler: str | None = None
+    """also score samples with this labeler (`vader`, `vowels`, module:function) and log objective/labeler_score"""
+    seed: int = 1
+    """process r uses seed + r * 100003"""
+    output_dir: str = "runs/policy"
+    """metrics.jsonl, samples.jsonl, args.json, checkpoint/, and the final policy under policy/"""
+    save_interval: int = 10
+    """updates between checkpoints (0: only at the end)"""
+    sample_interval: int = 10
+    """updates between sample tables"""
+    resume: bool = False
+    """continue the run in output_dir from its last checkpoint"""
+    wandb_mode: WandbMode = "auto"
+    """`auto`: online with WANDB_API_KEY, else offline"""
+    wandb_project: str = "lm-human-preference-details"
+    run_name: str | None = None
+    """wandb run name (default: policy_<preset>_<seed>)"""
+
+
+def defaults_for_task(name: str) -> Args:
+    preset = tasks.get_preset(name)
+    args = Args(preset=name, task=preset.task)
+    nested = {k: v for k, v in preset.policy.items() if k in ("rewards", "ppo")}
+    args = tasks.apply_overrides(args, {k: v for k, v in preset.policy.items() if k not in nested})
+    for name_, overrides in nested.items():
+        setattr(args, name_, tasks.apply_overrides(getattr(args, name_), overrides))
+    return args
+
+
+def validate(args: Args, world_size: int) -> None:
+    """Fail before any work on sizes that do not divide (# OAI: lm_human_preferences/train_policy.py#L69-L80)."""
+    p = args.ppo
+    if p.batch_size % world_size:
+        raise cli.UserError(f"ppo.batch_size={p.batch_size} must divide evenly over {world_size} processes")
+    per_process = p.batch_size // world_size
+    if per_process % p.nminibatches:
+        raise cli.UserError(f"ppo.batch_size / processes = {per_process} must be divisible by ppo.nminibatches={p.nminibatches}")
+    if (per_process // p.nminibatches) % p.gradient_accumulation_steps:
+        raise cli.UserError(
+            f"a minibatch of {per_process // p.nminibatches} per process must be divisible by "
+            f"ppo.gradient_accumulation_steps={p.gradient_accumulation_steps}"
+        )
+    if p.total_episodes < p.batch_size:
+        raise cli.UserError(f"ppo.total_episodes={p.total_episodes} is less than one batch (ppo.batch_size={p.batch_size})")
+    if p.optimizer not in ("adam_tf", "adam_torch"):
+        raise cli.UserError(f"ppo.optimizer={p.optimizer!r}: choose adam_tf or adam_torch")
+
+
+def load_reward_model(path: str, tokenizer) -> RewardModel:
+    """The frozen reward model; it must read text with the policy's tokenizer."""
+    if not os.path.isdir(path):
+        raise cli.UserError(f"rewards.trained_model={path}: no such folder; train one with train_reward.py")
+    reward_tokenizer = load_tokenizer(path)
+    if reward_tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise cli.UserError(
+            f"rewards.trained_model={path} was trained with another tokenizer ({len(reward_tokenizer)} tokens) "
+            f"than the policy's task.base_model ({len(tokenizer)} tokens)"
+        )
+    return RewardModel.load(path)
+
+
+def forward_responses(model, contexts: torch.Tensor, responses: torch.Tensor, pad_id: int, temperature: float):
+    """Logits (B, R, V) at the temperature and values (B, R) that predict each response token.
+
+    Position t of the response is predicted from position Q-1+t (# OAI: lm_human_preferences/policy.py#L114-L124).
+    """
+    context_length = contexts.shape[1]
+    logits, values = model(torch.cat([contexts, responses], dim=1), pad_id)
+    logits = logits[:, context_length - 1 : -1].float() / temperature  # OAI: lm_human_preferences/policy.py#L121
+    return logits, values[:, context_length - 1 : -1]
+
+
+def main_loop(args: Args, accelerator) -> None:
+    validate(args, accelerator.num_processes)
+    device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
+    if args.rewards.trained_model is None:  # OAI: lm_human_preferences/launch.py (train_new_model): stage 1 first
+        reward_args = train_reward.defaults_for_task(args.preset)
+        reward_args.task, reward_args.seed = args.task, args.seed
+        reward_args.output_dir, reward_args.wandb_mode = os.path.join(args.output_dir, "reward"), args.wandb_mode
+        reward_args.run_name = f"{args.run_name or f'policy_{args.preset}_{args.seed}'}_reward"
+        reward_path = os.path.join(reward_args.output_dir, "reward_model")
+        if not (args.resume and os.path.isdir(reward_path)):
+            reward_path = train_reward.train(reward_args, accelerator)
+        args.rewards.trained_model = reward_path
+    set_seed(args.seed + rank * 100003)  # OAI: lm_human_preferences/utils/core.py#L108-L111
+    tokenizer = load_tokenizer(args.task.base_model)
+    pad_id = tokenizer.oai_pad_token_id
+    prefix = tokenizer.encode(args.task.query_prefix, add_special_tokens=False)
+    suffix = tokenizer.encode(args.task.query_suffix, add_special_tokens=False)
+    reward_model = load_reward_model(args.rewards.trained_model, tokenizer).to(device).requires_grad_(False)
+    ref_policy = PolicyAndValue(load_causal_lm(args.task.base_model)).to(device).requires_grad_(False)
+    policy = PolicyAndValue(load_causal_lm(args.task.base_model)).to(device)
+    eval_labeler = labelers.load_labeler(args.eval_labeler) if args.eval_labeler else None
+    p = args.ppo
+    optimizer = train_reward.make_optimizer(p.optimizer, policy.parameters(), p.lr, p.adam_eps)
+    kl_ctl = ppo.AdaptiveKLController(args.rewards.kl_coef, args.rewards.target_kl, args.rewards.horizon) if args.rewards.adaptive_kl \
+        else ppo.FixedKLController(args.rewards.kl_coef)  # OAI: lm_human_preferences/train_policy.py#L107-L124
+    per_process = p.batch_size // world
+    minibatch = per_process // p.nminibatches
+    micro_batch = minibatch // p.gradient_accumulation_steps
+    num_updates = p.total_episodes // p.batch_size
+    sampler = QuerySampler(args.task, tokenizer, batch_size=per_process, seed=args.seed, rank=rank, world_size=world)
+    model, optimizer = accelerator.prepare(policy, optimizer)
+
+    start_update = 1
+    if args.resume:
+        loop = checkpoint.load(args.output_dir, accelerator, model, optimizer)
+        kl_ctl.value, start_update = loop["kl_coef"], loop["update"] + 1
+        sampler.skip(loop["sampler_batches"])
+        accelerator.print(f"resumed after update {loop['update']}")
+    tracker = Tracker(
+        args.output_dir, args, enabled=accelerator.is_main_process, wandb_mode=args.wandb_mode,
+        project=args.wandb_project, run_name=args.run_name or f"policy_{args.preset}_{args.seed}",
+        resume_after_step=start_update - 1 if args.resume else None,
+    )
+    started = time.time()
+    for update in range(start_update, num_updates + 1):
+        update_started = time.time()
+        lr = (1.0 - (update - 1.0) / num_updates) * p.lr  # OAI: lm_human_preferences/train_policy.py#L172-L173
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+        # ---------------------------------------------------------------- rollout
+        with torch.no_grad():
+            queries = next(sampler).to(device)  # (B, Q) bare queries: what the reward model reads
+            contexts = format_queries(queries, prefix, suffix, pad_id)  # (B, Q'): what the policy reads
+            responses, _ = sample_responses(accelerator.unwrap_model(model).lm, contexts, pad_id, args.task.response_length, args.task.temperature)
+            logits, values = forward_responses(model, contexts, responses, pad_id, args.task.temperature)
+            logprobs = logprobs_of(logits, responses, 1.0)  # (B, R), logits already at the temperature
+            entropy = ppo.entropy_from_logits(logits).sum(1)  # (B,)
+            del logits
+            ref_logits, _ = forward_responses(ref_policy, contexts, responses, pad_id, args.task.temperature)
+            ref_logprobs = logprobs_of(ref_logits, responses, 1.0)
+            del ref_logits
+
+            # ------------------------------------------------------------ score
+            # OAI: lm_human_preferences/train_policy.py#L375-L404: score the truncated response,
+            # penalize a response without the truncate token
+            scored = responses
+            if args.task.truncate_token is not None:
+                scored = truncate_after_token(responses, args.task.truncate_token, args.task.truncate_after, pad_id)
+            scores = reward_model(torch.cat([queries, scored], dim=1), pad_id)  # (B,)
+            if args.task.truncate_token is not None:
+                passes = contains_truncate_token(responses, args.task.truncate_token, args.task.truncate_after)
+                scores = torch.where(passes, scores, torch.full_like(scores, args.task.penalty_reward_value))
+            rewards, non_score_reward = ppo.compute_rewards(scores, logprobs, ref_logprobs, kl_ctl.value)
+
+        # ---------------------------------------------------------------- PPO epochs
+        ppo_stats: dict[str, list[torch.Tensor]] = {}
+        for _ in range(p.noptepochs):  # OAI: lm_human_preferences/train_policy.py#L184-L192
+            order = torch.randperm(per_process, device=device)
+            for mb_start in range(0, per_process, minibatch):
+                mb = order[mb_start : mb_start + minibatch]
+                advantages, returns = ppo.minibatch_advantages(values[mb], rewards[mb], p.gamma, p.lam, p.whiten_rewards)
+                for micro_start in range(0, minibatch, micro_batch):
+                    micro = slice(micro_start, micro_start + micro_batch)
+                    idx = mb[micro]
+                    last_micro = micro_start + micro_batch == minibatch
+                    with contextlib.nullcontext() if last_micro else accelerator.no_sync(model):
+                        new_logits, new_values = forward_responses(model, contexts[idx], responses[idx], pad_id, args.task.temperature)
+                        new_logprobs = logprobs_of(new_logits, responses[idx], 1.0)
+                        loss, stats = ppo.ppo_loss(
+                            new_logprobs, new_values, logprobs[idx], values[idx], advantages[micro], returns[micro],
+                            p.cliprange, p.cliprange_value, p.vf_coef, entropy=ppo.entropy_from_logits(new_logits.detach()),
+                        )
+                        accelerator.backward(loss / p.gradient_accumulation_steps)
+                    for k, v in stats.items():
+                        ppo_stats.setdefault(k, []).append(v)
+                optimizer.step()
+                optimizer.zero_grad()
+
+        # ---------------------------------------------------------------- stats, KL controller
+        with torch.no_grad():
+            kl = (logprobs - ref_logprobs).sum(1)  # (B,) OAI: lm_human_preferences/train_policy.py#L217-L262
+            local = {
+                "objective/kl": kl.mean(),
+                "objective/entropy": entropy.mean(),
+                "objective/scores": scores.mean(),
+                "objective/score_total": (scores + non_score_reward.sum(1)).mean(),
+                "objective/kl_coef": torch.tensor(kl_ctl.value, device=device),
+                **{f"ppo/{k}": torch.stack(v).mean() for k, v in ppo_stats.items()},
+            }
+            if eval_labeler is not None:
+                texts = [tokenizer.decode(strip_pad(r, pad_id)) for r in scored]
+                query_texts = [tokenizer.decode(strip_pad(q, pad_id)) for q in queries]
+                local["objective/labeler_score"] = torch.tensor(eval_labeler(query_texts, texts), dtype=torch.float32, device=device).mean()
+            keys = sorted(local)
+            reduced = accelerator.reduce(torch.stack([local[k].float() for k in keys]), "mean")
+            metrics = {k: float(v) for k, v in zip(keys, reduced)}
+        metrics["ppo/val/var_explained"] = 1 - metrics["ppo/val/error"] / max(metrics["ppo/returns/var"], 1e-12)  # OAI: train_policy.py#L241
+        kl_ctl.update(metrics["objective/kl"], p.batch_size)  # OAI: lm_human_preferences/train_policy.py#L305
+        episodes = update * p.batch_size
+        metrics.update({"ppo/lr": lr, "episodes": episodes, "time/update_s": time.time() - update_started,
+                        "time/episodes_per_s": (update - start_update + 1) * p.batch_size / (time.time() - started)})
+        tracker.log(update, metrics)
+        accelerator.print(
+            f"update {update}/{num_updates}  score {metrics['objective/scores']:+.3f}  kl {metrics['objective/kl']:.3f}  "
+            f"kl_coef {kl_ctl.value:.4f}  approxkl {metrics['ppo/policy/approxkl']:.4f}  {metrics['time/update_s']:.1f}s"
+        )
+        if update % args.sample_interval == 0 or update in (1, num_updates):
+            tracker.log_samples(update, [
+                {"query": tokenizer.decode(strip_pad(q, pad_id)), "response": tokenizer.decode(strip_pad(r, pad_id)), "score": float(s)}
+                for q, r, s in list(zip(queries, scored, scores))[:8]
+            ])
+        if (args.save_interval and update % args.save_interval == 0) or update == num_updates:
+            loop_state = {"update": update, "kl_coef": kl_ctl.value, "sampler_batches": sampler.batches_drawn}
+            checkpoint.save(args.output_dir, accelerator, model, optimizer, loop_state)
+
+    if accelerator.is_main_process:
+        path = os.path.join(args.output_dir, "policy")
+        unwrapped = accelerator.unwrap_model(model)
+        unwrapped.lm.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        torch.save(unwrapped.value_head.state_dict(), os.path.join(path, "value_head.pt"))
+        accelerator.print(f"saved the policy to {path}")
+    accelerator.wait_for_everyone()
+    tracker.finish()
+
+
+@cli.main_with_user_errors
+def main() -> None:
+    args = cli.parse(Args, defaults_for_task, default_task="sentiment")
+    main_loop(args, cli.make_accelerator())
+
+
+if __name__ == "__main__":
+    main()

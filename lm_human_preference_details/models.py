@@ -36,6 +36,12 @@ def masked_inputs(input_ids: torch.Tensor, pad_id: int) -> dict[str, torch.Tenso
     )
 
 
+def last_real_index(mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) mask -> (B,) index of the last real token of each row."""
+    positions = torch.arange(mask.shape[1], device=mask.device)
+    return (mask * positions).argmax(dim=1)
+
+
 def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
     """log softmax(logits / temperature) at `tokens`: (B, T, V), (B, T) -> (B, T).
 
@@ -67,7 +73,7 @@ class PolicyAndValue(nn.Module):
     """A causal LM and a value head on its final hidden states (shared trunk).
 
     # OAI: lm_human_preferences/policy.py#L26-L28 (one model, scalar head `value`); the head starts
-    # at zero (REFERENCE detail 7, as the port that matched OAI's curves).
+    # at zero (# OAI: lm_human_preferences/language/model.py#L368, `scale=0 if head_name == 'value'`).
     """
 
     def __init__(self, lm: nn.Module):
@@ -109,9 +115,17 @@ class RewardModel(nn.Module):
         return cls(backbone, base_model=name_or_path)
 
     def forward(self, query_responses: torch.Tensor, pad_id: int) -> torch.Tensor:
-        """(B, T) ids -> (B,) rewards, read at the last position (# OAI: lm_human_preferences/rewards.py#L47)."""
-        hidden = self.backbone(**masked_inputs(query_responses, pad_id)).last_hidden_state  # (B, T, H)
-        return self.gain * self.head(hidden[:, -1]).squeeze(-1) + self.bias
+        """(B, T) ids -> (B,) rewards, read at the last position (# OAI: lm_human_preferences/rewards.py#L47).
+
+        OAI's model gives a pad position the output of the last real token before it
+        (# OAI: lm_human_preferences/language/model.py#L334-L340), so a truncated response, which ends
+        in pads, is scored at its last real token.
+        """
+        inputs = masked_inputs(query_responses, pad_id)
+        hidden = self.backbone(**inputs).last_hidden_state  # (B, T, H)
+        last_real = last_real_index(inputs["attention_mask"])  # (B,)
+        h_last = hidden[torch.arange(len(hidden), device=hidden.device), last_real]  # (B, H)
+        return self.gain * self.head(h_last).squeeze(-1) + self.bias
 
     @torch.no_grad()
     def set_reward_norm(self, old_mean: float, old_std: float, new_mean: float = 0.0, new_std: float = 1.0) -> None:

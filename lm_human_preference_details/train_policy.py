@@ -163,7 +163,8 @@ def forward_responses(model, contexts: torch.Tensor, responses: torch.Tensor, pa
     return logits, values[:, context_length - 1 : -1]
 
 
-def main_loop(args: Args, accelerator) -> None:
+def train(args: Args, accelerator) -> tuple[PolicyAndValue, ppo.AdaptiveKLController | ppo.FixedKLController]:
+    """Run stage 2 (and stage 1 first when no reward model is given); returns the policy and its KL controller."""
     validate(args, accelerator.num_processes)
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
     if args.rewards.trained_model is None:  # OAI: lm_human_preferences/launch.py (train_new_model): stage 1 first
@@ -308,12 +309,13 @@ def main_loop(args: Args, accelerator) -> None:
         accelerator.print(f"saved the policy to {path}")
     accelerator.wait_for_everyone()
     tracker.finish()
+    return accelerator.unwrap_model(model), kl_ctl
 
 
 @cli.main_with_user_errors
 def main() -> None:
     args = cli.parse(Args, defaults_for_task, default_task="sentiment")
-    main_loop(args, cli.make_accelerator())
+    train(args, cli.make_accelerator())
 
 
 if __name__ == "__main__":

@@ -1,0 +1,20 @@
+"""Run stage 2 under `accelerate launch`; each process writes its final weights and KL coefficient.
+
+Used by tests/test_train_policy.py to check that processes stay in sync; not a test itself.
+"""
+
+import sys
+
+import torch
+from safetensors.torch import save_file
+
+from lm_human_preference_details import cli, train_policy
+
+if __name__ == "__main__":
+    out = sys.argv[1]
+    args = cli.parse(train_policy.Args, train_policy.defaults_for_task, default_task="tiny", argv=sys.argv[2:])
+    accelerator = cli.make_accelerator()
+    policy, kl_ctl = train_policy.train(args, accelerator)
+    state = {k: v.detach().clone() for k, v in policy.state_dict().items()}  # clone: tied weights share memory
+    state["kl_coef"] = torch.tensor(kl_ctl.value, dtype=torch.float64)
+    save_file(state, f"{out}/rank{accelerator.process_index}.safetensors")

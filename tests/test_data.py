@@ -1,0 +1,224 @@
+"""Label files in OAI's JSON format, and the query sampler over the offline chatterbot corpus."""
+
+import json
+
+import pytest
+import torch
+
+from lm_human_preference_details.cli import UserError
+from lm_human_preference_details.data import (
+    LabelFileError,
+    Labels,
+    QuerySampler,
+    format_queries,
+    load_labels,
+    parse_labels,
+    write_labels,
+)
+from lm_human_preference_details.tasks import TaskHParams
+from lm_human_preference_details.text import left_pad, load_tokenizer, query_tokens, strip_pad
+
+V, PAD, Q, R, K = 34, 36, 6, 4, 4  # the tiny vocab, its OAI pad id, lengths, best_of_4
+SPEC = dict(num_responses=K, query_length=Q, response_length=R, vocab_size=V, pad_id=PAD)
+
+
+# ----------------------------------------------------------------------------- label files
+def make_labels(n=5, seed=0) -> Labels:
+    g = torch.Generator().manual_seed(seed)
+    queries = [torch.randint(0, V, (int(length),), generator=g).tolist() for length in torch.randint(1, Q + 1, (n,), generator=g)]
+    samples = torch.randint(0, V, (n, K, R), generator=g)
+    samples[0, 1, 2:] = PAD  # truncated responses carry pad ids
+    return Labels(left_pad(queries, Q, PAD), samples, torch.randint(0, K, (n,), generator=g))
+
+
+@pytest.fixture
+def label_file(tmp_path):
+    path = str(tmp_path / "labels.json")
+    labels = make_labels()
+    write_labels(path, labels, PAD)
+    return path, labels
+
+
+def test_round_trip(label_file):
+    path, labels = label_file
+    loaded = load_labels(path, **SPEC)
+    assert len(loaded) == len(labels) == 5
+    assert torch.equal(loaded.queries, labels.queries)
+    assert torch.equal(loaded.samples, labels.samples)
+    assert torch.equal(loaded.best, labels.best)
+    assert loaded.queries.dtype == loaded.samples.dtype == torch.long
+
+
+def test_written_file_is_oai_format(label_file):
+    """Queries right-padded to query_length in the file, sample0..sampleK-1, best (label_types.py#L31-L53)."""
+    path, labels = label_file
+    with open(path) as f:
+        records = json.load(f)
+    assert set(records[0]) == {"query", "sample0", "sample1", "sample2", "sample3", "best"}
+    for record, query in zip(records, labels.queries):
+        real = strip_pad(query, PAD)
+        assert record["query"] == real + [PAD] * (Q - len(real))
+    assert any(record["query"][-1] == PAD for record in records)  # some query was short
+
+
+def test_oai_right_padded_queries_become_left_padded():
+    record = {"query": [5, 6, PAD, PAD, PAD, PAD], **{f"sample{k}": [1, 2, 3, 4] for k in range(K)}, "best": 3}
+    labels = parse_labels(json.dumps([record]), "x.json", **SPEC)
+    assert labels.queries.tolist() == [[PAD, PAD, PAD, PAD, 5, 6]]
+    assert labels.best.tolist() == [3] and labels.samples.shape == (1, K, R)
+
+
+def corrupted(label_file, mutate):
+    path, _ = label_file
+    with open(path) as f:
+        records = json.load(f)
+    mutate(records[2])
+    return json.dumps(records)
+
+
+def _set(field, value):
+    return lambda record: record.__setitem__(field, value)
+
+
+@pytest.mark.parametrize(
+    "mutate, field, words",
+    [
+        (_set("query", [1] * (Q + 1)), "'query'", "query_length"),
+        (_set("query", [1] * (Q - 1)), "'query'", "expected 6"),
+        (_set("sample1", [1] * (R - 1)), "'sample1'", "response_length"),
+        (_set("sample3", [1] * (R + 2)), "'sample3'", "expected 4"),
+        (_set("best", K), "'best'", "[0, 4)"),
+        (_set("best", -1), "'best'", "[0, 4)"),
+        (_set("best", True), "'best'", "integer"),
+        (_set("best", "1"), "'best'", "integer"),
+        (_set("sample0", [1, 2, V, 3]), "'sample0'", f"token id {V}"),
+        (_set("query", [1, 2, 3, 50256, 4, 5]), "'query'", "token id 50256"),
+        (_set("sample2", [1, 2, -1, 3]), "'sample2'", "token id -1"),
+        (_set("sample2", [1, 2, 1.5, 3]), "'sample2'", "list of token ids"),
+        (lambda r: r.pop("sample3"), "'sample3'", "list of token ids"),
+        (lambda r: r.pop("query"), "'query'", "list of token ids"),
+        (lambda r: r.pop("best"), "'best'", "None"),
+    ],
+)
+def test_bad_record_names_record_and_field(label_file, mutate, field, words):
+    with pytest.raises(LabelFileError) as info:
+        parse_labels(corrupted(label_file, mutate), "bad.json", **SPEC)
+    message = str(info.value)
+    assert message.startswith("bad.json: record 2: ")
+    assert f"field {field}" in message
+    assert words in message
+
+
+def test_record_not_an_object(label_file):
+    def replace(records):
+        records[2] = [1, 2, 3]
+
+    path, _ = label_file
+    with open(path) as f:
+        records = json.load(f)
+    replace(records)
+    with pytest.raises(LabelFileError, match=r"bad\.json: record 2: expected an object"):
+        parse_labels(json.dumps(records), "bad.json", **SPEC)
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [("{not json", "not JSON"), ("[]", "non-empty"), ("{}", "non-empty"), ('{"query": [1]}', "JSON list"), ("", "not JSON")],
+)
+def test_bad_file(text, words):
+    with pytest.raises(LabelFileError, match=words) as info:
+        parse_labels(text, "bad.json", **SPEC)
+    assert str(info.value).startswith("bad.json: ")
+    assert isinstance(info.value, UserError)
+
+
+def test_load_labels_missing_file(tmp_path):
+    path = str(tmp_path / "nope.json")
+    with pytest.raises(LabelFileError, match="no such file") as info:
+        load_labels(path, **SPEC)
+    assert path in str(info.value)
+
+
+def test_load_labels_reports_file_path(tmp_path):
+    path = str(tmp_path / "bad.json")
+    with open(path, "w") as f:
+        f.write("[]")
+    with pytest.raises(LabelFileError, match="non-empty") as info:
+        load_labels(path, **SPEC)
+    assert str(info.value).startswith(path)
+
+
+# ----------------------------------------------------------------------------- query sampler
+QL, B = 16, 8
+TASK = TaskHParams(base_model="tiny", query_dataset="chatterbot", query_length=QL, start_text=None, end_text="?")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("tiny")
+
+
+@pytest.fixture(scope="module")
+def first_batches(tokenizer):
+    """Four batches of a single-rank sampler, seed 0."""
+    sampler = QuerySampler(TASK, tokenizer, batch_size=B, seed=0)
+    batches = [next(sampler) for _ in range(4)]
+    assert sampler.batches_drawn == 4
+    return batches
+
+
+def test_batches_are_left_padded_queries(first_batches, tokenizer):
+    pad, question = tokenizer.oai_pad_token_id, tokenizer.convert_tokens_to_ids("?")
+    padded_rows = 0
+    for batch in first_batches:
+        assert batch.shape == (B, QL) and batch.dtype == torch.long
+        for row in batch:
+            real = row != pad
+            assert real.any()
+            first_real = int(real.long().argmax())
+            assert real[first_real:].all()  # pads only on the left
+            padded_rows += first_real > 0
+            tokens = row[first_real:].tolist()
+            assert tokens[-1] == question  # cut after the last end_text
+            assert all(0 <= t < len(tokenizer) for t in tokens)
+            assert query_tokens(tokens, QL, None, question) == tokens
+    assert padded_rows > 0
+
+
+def test_same_seed_reproduces_and_seeds_differ(first_batches, tokenizer):
+    again = QuerySampler(TASK, tokenizer, batch_size=B, seed=0)
+    assert torch.equal(next(again), first_batches[0])
+    other = QuerySampler(TASK, tokenizer, batch_size=B, seed=1)
+    assert not torch.equal(next(other), first_batches[0])
+
+
+def test_skip_resumes(first_batches, tokenizer):
+    sampler = QuerySampler(TASK, tokenizer, batch_size=B, seed=0)
+    sampler.skip(3)
+    assert sampler.batches_drawn == 3
+    assert torch.equal(next(sampler), first_batches[3])
+    assert sampler.batches_drawn == 4
+
+
+def test_two_ranks_split_the_stream(first_batches, tokenizer):
+    """Rank r of 2 reads documents r, r+2, ... of the same shuffled stream: disjoint, together the whole."""
+    single = torch.cat(first_batches[:2])  # 16 queries
+    ranks = [QuerySampler(TASK, tokenizer, batch_size=B // 2, seed=0, rank=r, world_size=2) for r in range(2)]
+    drawn = [torch.cat([next(s) for _ in range(2)]) for s in ranks]  # 8 queries each
+    assert torch.equal(drawn[0], single[0::2])
+    assert torch.equal(drawn[1], single[1::2])
+
+
+def test_sampler_rejects_multi_token_start_text(tokenizer):
+    task = TaskHParams(base_model="tiny", query_dataset="chatterbot", query_length=QL, start_text="ab", end_text=None)
+    with pytest.raises(UserError, match=r"task\.start_text"):
+        QuerySampler(task, tokenizer, batch_size=B, seed=0)
+
+
+def test_format_queries():
+    queries = left_pad([[5, 6, 7], [8]], 3, PAD)
+    out = format_queries(queries, [1, 2], [3], PAD)
+    assert out.shape == (2, 6)
+    assert out.tolist() == [[1, 2, 5, 6, 7, 3], [PAD, PAD, 1, 2, 8, 3]]
+    assert format_queries(queries, [], [3], PAD).tolist() == [[5, 6, 7, 3], [PAD, PAD, 8, 3]]
+    assert format_queries(queries, [], [], PAD) is queries

@@ -1,0 +1,139 @@
+"""Stage 2 end to end, through the real command line and real processes, on the offline `tiny` preset."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lm_human_preference_details import train_policy
+from lm_human_preference_details.tracking import read_metrics
+
+ACCELERATE_2 = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no")
+QUIET = ("--wandb-mode", "disabled")
+
+
+def policy_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "lm_human_preference_details.train_policy", *args, *QUIET]
+
+
+def run(cmd, timeout=600) -> subprocess.CompletedProcess:
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def tiny_reward_model(tmp_path_factory) -> str:
+    out = tmp_path_factory.mktemp("reward")
+    run([sys.executable, "-m", "lm_human_preference_details.train_reward", "--task", "tiny", "--output-dir", str(out), *QUIET,
+         "--labels.num-train", "1024", "--labels.num-test", "64"])
+    return str(out / "reward_model")
+
+
+@pytest.mark.slow
+def test_tiny_preset_end_to_end_score_rises_and_kl_tracks_target(tmp_path):
+    """The public command: trains its own reward model first, then PPO."""
+    run(policy_cmd("--task", "tiny", "--output-dir", str(tmp_path)))
+    metrics = [m for m in read_metrics(tmp_path / "metrics.jsonl") if "objective/scores" in m]
+    tenth = max(1, len(metrics) // 10)
+    first = sum(m["objective/scores"] for m in metrics[:tenth]) / tenth
+    last = sum(m["objective/scores"] for m in metrics[-tenth:]) / tenth
+    assert last > first + 0.5, (first, last)
+    labeler_first = sum(m["objective/labeler_score"] for m in metrics[:tenth]) / tenth
+    labeler_last = sum(m["objective/labeler_score"] for m in metrics[-tenth:]) / tenth
+    assert labeler_last > labeler_first, (labeler_first, labeler_last)  # the labeler itself agrees
+    target = train_policy.defaults_for_task("tiny").rewards.target_kl
+    final_kl = sum(m["objective/kl"] for m in metrics[-5:]) / 5
+    assert 0.5 * target < final_kl < 1.5 * target, final_kl
+    for name in ("ppo/policy/approxkl", "ppo/policy/clipfrac", "ppo/val/clipfrac", "ppo/loss/policy", "ppo/loss/value",
+                 "ppo/returns/mean", "objective/entropy", "objective/score_total", "objective/kl_coef", "ppo/val/var_explained"):
+        assert name in metrics[-1]
+    assert (tmp_path / "policy" / "config.json").exists() and (tmp_path / "reward" / "reward_model").is_dir()
+
+
+@pytest.mark.slow
+def test_two_processes_keep_weights_and_kl_coef_identical(tmp_path, tiny_reward_model):
+    script = os.path.join(os.path.dirname(__file__), "policy_on_ranks.py")
+    run([*ACCELERATE_2, script, str(tmp_path), "--task", "tiny", "--rewards.trained-model", tiny_reward_model,
+         "--ppo.total-episodes", str(64 * 4), "--output-dir", str(tmp_path / "run"), *QUIET])
+    rank0, rank1 = load_file(tmp_path / "rank0.safetensors"), load_file(tmp_path / "rank1.safetensors")
+    initial_kl_coef = train_policy.defaults_for_task("tiny").rewards.kl_coef
+    assert rank0["kl_coef"].item() != initial_kl_coef  # the adaptive controller moved ...
+    assert rank0["kl_coef"].item() == rank1["kl_coef"].item()  # ... identically on both ranks
+    assert rank0.keys() == rank1.keys()
+    for name in rank0:
+        assert torch.equal(rank0[name], rank1[name]), name
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_to_the_same_weights(tmp_path, tiny_reward_model):
+    common = ["--task", "tiny", "--rewards.trained-model", tiny_reward_model, "--ppo.total-episodes", str(64 * 6), "--save-interval", "2"]
+    run(policy_cmd(*common, "--output-dir", str(tmp_path / "straight")))
+
+    killed = tmp_path / "killed"
+    process = subprocess.Popen(policy_cmd(*common, "--output-dir", str(killed)), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    metrics_path = killed / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and process.poll() is None:
+        if metrics_path.exists() and any(m["step"] == 3 for m in read_metrics(metrics_path)):
+            process.send_signal(signal.SIGKILL)  # after update 3, the last checkpoint is update 2
+            break
+        time.sleep(0.05)
+    process.wait(timeout=60)
+    assert process.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    assert not (killed / "policy").exists()
+
+    run(policy_cmd(*common, "--output-dir", str(killed), "--resume"))
+    straight = load_file(tmp_path / "straight" / "policy" / "model.safetensors")
+    resumed = load_file(killed / "policy" / "model.safetensors")
+    assert straight.keys() == resumed.keys()
+    for name in straight:
+        assert torch.equal(straight[name], resumed[name]), name
+    steps = [m["step"] for m in read_metrics(metrics_path)]
+    assert steps == [1, 2, 3, 4, 5, 6], steps  # every update logged exactly once
+    straight_scores = [m["objective/scores"] for m in read_metrics(tmp_path / "straight" / "metrics.jsonl")]
+    assert [m["objective/scores"] for m in read_metrics(metrics_path)] == straight_scores
+
+
+def test_resume_without_checkpoint_is_one_clear_line(tmp_path, tiny_reward_model, monkeypatch, capsys):
+    assert_one_line_error(monkeypatch, capsys, ["--task", "tiny", "--rewards.trained-model", tiny_reward_model,
+                                                "--output-dir", str(tmp_path), "--resume"], "--resume: no checkpoint in")
+
+
+def test_reward_model_from_another_tokenizer_is_refused(tmp_path, tiny_reward_model, monkeypatch, capsys):
+    from lm_human_preference_details.models import RewardModel
+    from lm_human_preference_details.text import load_tokenizer
+
+    foreign = tmp_path / "foreign"
+    RewardModel.load(tiny_reward_model).save(str(foreign))
+    load_tokenizer("gpt2").save_pretrained(str(foreign))  # as if trained on GPT-2's vocabulary
+    assert_one_line_error(monkeypatch, capsys, ["--task", "tiny", "--rewards.trained-model", str(foreign),
+                                                "--output-dir", str(tmp_path / "out")], "was trained with another tokenizer")
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--ppo.batch-size", "60", "--ppo.nminibatches", "8"], "ppo.batch_size / processes = 60 must be divisible by ppo.nminibatches=8"),
+        (["--ppo.gradient-accumulation-steps", "5"], "must be divisible by ppo.gradient_accumulation_steps=5"),
+        (["--ppo.total-episodes", "10"], "ppo.total_episodes=10 is less than one batch"),
+        (["--rewards.trained-model", "/no/such/folder"], "rewards.trained_model=/no/such/folder: no such folder"),
+    ],
+)
+def test_bad_arguments_are_one_clear_line(tmp_path, monkeypatch, capsys, flags, message):
+    assert_one_line_error(monkeypatch, capsys, ["--task", "tiny", *flags, "--output-dir", str(tmp_path)], message)
+
+
+def assert_one_line_error(monkeypatch, capsys, argv, message):
+    monkeypatch.setattr(sys, "argv", ["train_policy", *argv, *QUIET])
+    with pytest.raises(SystemExit) as exit_info:
+        train_policy.main()
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err

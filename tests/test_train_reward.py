@@ -1,0 +1,127 @@
+"""Stage 1 end to end, through the real command line, on the offline `tiny` preset."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lm_human_preference_details import train_reward
+from lm_human_preference_details.data import QuerySampler
+from lm_human_preference_details.models import RewardModel, load_causal_lm
+from lm_human_preference_details.sampling import sample_responses
+from lm_human_preference_details.tasks import get_preset
+from lm_human_preference_details.text import load_tokenizer
+from lm_human_preference_details.tracking import read_metrics
+
+
+def run_stage(*args: str, launcher: tuple[str, ...] = (sys.executable, "-m"), timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([*launcher, "lm_human_preference_details.train_reward", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("reward")
+    result = run_stage("--task", "tiny", "--output-dir", str(out), "--wandb-mode", "offline")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+@pytest.mark.slow
+def test_tiny_preset_learns_the_labeler(tiny_run):
+    metrics = read_metrics(tiny_run / "metrics.jsonl")
+    test_accuracy = [m["test/accuracy"] for m in metrics if "test/accuracy" in m]
+    assert test_accuracy and test_accuracy[-1] >= 0.5, test_accuracy  # chance is 0.25
+    assert any("norm/before/std" in m for m in metrics) and any("norm/after/std" in m for m in metrics)
+    args = json.loads((tiny_run / "args.json").read_text())
+    assert args["preset"] == "tiny" and args["labels"]["labeler"] == "vowels"
+    labels = json.loads((tiny_run / "labels.json").read_text())
+    assert len(labels) == 1536 + 256 and set(labels[0]) == {"query", "sample0", "sample1", "sample2", "sample3", "best"}
+    assert list((tiny_run / "wandb").glob("offline-run-*")), "wandb should have logged offline"
+
+
+@pytest.mark.slow
+def test_normalized_reward_of_fresh_reference_samples_is_standard(tiny_run):
+    """After `normalize_after`, reference-policy samples the model never saw score mean ~0, std ~1."""
+    task = get_preset("tiny").task
+    tokenizer = load_tokenizer(task.base_model)
+    pad_id = tokenizer.oai_pad_token_id
+    reward_model = RewardModel.load(str(tiny_run / "reward_model"))
+    ref_lm = load_causal_lm(task.base_model)
+    torch.manual_seed(12345)
+    sampler = QuerySampler(task, tokenizer, batch_size=256, seed=777)
+    rewards = []
+    with torch.no_grad():
+        for _ in range(8):
+            queries = next(sampler)
+            responses, _ = sample_responses(ref_lm, queries, pad_id, task.response_length, task.temperature)
+            rewards.append(reward_model(torch.cat([queries, responses], 1), pad_id))
+    rewards = torch.cat(rewards)
+    # 2048 samples: the standard error of the mean is about 0.02
+    assert abs(rewards.mean().item()) < 0.15
+    assert abs(rewards.std(unbiased=False).item() - 1) < 0.15
+
+
+@pytest.mark.slow
+def test_two_processes_over_gloo(tmp_path):
+    out = tmp_path / "ddp"
+    launcher = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m")
+    result = run_stage("--task", "tiny", "--output-dir", str(out), "--wandb-mode", "disabled",
+                       "--labels.num-train", "512", "--labels.num-test", "128", "--normalize-samples", "128",
+                       launcher=launcher)
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = read_metrics(out / "metrics.jsonl")
+    assert [m["step"] for m in metrics if "train/loss" in m] == list(range(1, 512 // 32 + 1))
+    assert all(math.isfinite(m["train/loss"]) for m in metrics if "train/loss" in m)
+    assert RewardModel.load(str(out / "reward_model")) is not None
+
+
+def bad_label_file(tmp_path, text: str) -> str:
+    path = tmp_path / "labels.json"
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "make_args, message",
+    [
+        (lambda tmp: ["--task", "no-such-task"], "--task 'no-such-task' is unknown"),
+        (lambda tmp: ["--task", "tiny", "--labels.num-train", "100"], "labels.num_train=100 must be a positive multiple of batch_size=32"),
+        (lambda tmp: ["--task", "tiny", "--labels.source", bad_label_file(tmp, "{not json")], "not JSON"),
+        (lambda tmp: ["--task", "tiny", "--labels.source", str(tmp / "missing.json")], "no such file"),
+        (lambda tmp: ["--task", "tiny", "--labels.source", bad_label_file(tmp, json.dumps([{"query": [1] * 16, "best": 0}]))],
+         "record 0: field 'sample0'"),
+        (lambda tmp: ["--task", "tiny", "--labels.labeler", "nosuchmodule:score"], "labeler 'nosuchmodule:score' cannot be loaded"),
+    ],
+)
+def test_bad_input_is_one_clear_line(tmp_path, monkeypatch, capsys, make_args, message):
+    """The script's own entry point, in process (the subprocess test below shows the same through python -m)."""
+    monkeypatch.setattr(sys, "argv", ["train_reward", *make_args(tmp_path), "--output-dir", str(tmp_path / "out"), "--wandb-mode", "disabled"])
+    with pytest.raises(SystemExit) as exit_info:
+        train_reward.main()
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+
+
+def test_bad_input_through_the_real_command_line(tmp_path):
+    result = run_stage("--task", "tiny", "--batch-size", "5", "--output-dir", str(tmp_path), "--wandb-mode", "disabled")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == "error: labels.num_train=1536 must be a positive multiple of batch_size=5"
+
+
+def test_make_labels_cli_writes_oai_format(tmp_path):
+    out = tmp_path / "labels.json"
+    cmd = [sys.executable, "-m", "lm_human_preference_details.make_labels", "--task", "tiny", "--num-labels", "10", "--output", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = json.loads(out.read_text())
+    task = get_preset("tiny").task
+    assert len(records) == 10
+    for r in records:
+        assert len(r["query"]) == task.query_length and 0 <= r["best"] < 4
+        assert all(len(r[f"sample{k}"]) == task.response_length for k in range(4))

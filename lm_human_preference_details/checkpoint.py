@@ -15,11 +15,16 @@ from .cli import UserError
 
 
 def rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()  # sampling and shuffles on a GPU draw from these
+    return state
 
 
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
 
@@ -54,10 +59,13 @@ def load(output_dir: str, accelerator, model, optimizer) -> dict:
     path = os.path.join(output_dir, "checkpoint")
     if not os.path.exists(os.path.join(path, "state.pt")):
         raise UserError(f"--resume: no checkpoint in {path}; run without --resume, or point --output-dir at the run to resume")
-    rng_path = os.path.join(path, f"rng_{accelerator.process_index}.pt")
-    if not os.path.exists(rng_path):
-        raise UserError(f"--resume: {path} was saved by fewer processes than the {accelerator.num_processes} running now")
     state = torch.load(os.path.join(path, "state.pt"), map_location=accelerator.device, weights_only=False)
+    if state["loop"]["world_size"] != accelerator.num_processes:  # every process checks, so none waits alone
+        raise UserError(
+            f"--resume: {path} was saved by {state['loop']['world_size']} processes; resume it with as many, "
+            f"not {accelerator.num_processes} (each process's query stream and RNG state belong to its rank)"
+        )
+    rng_path = os.path.join(path, f"rng_{accelerator.process_index}.pt")
     accelerator.unwrap_model(model).load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     set_rng_state(torch.load(rng_path, weights_only=False))

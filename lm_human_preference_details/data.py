@@ -2,7 +2,7 @@
 
 Label files use OAI's format: a JSON list of `{"query": [query_length ints], "sample0".."sampleN-1":
 [response_length ints], "best": int}`, queries right-padded with the pad id beyond the vocab
-(# OAI: lm_human_preferences/label_types.py#L31-L53, PickBest). In memory queries are left-padded.
+(# OAI: lm_human_preferences/label_types.py#L33-L55, PickBest). In memory queries are left-padded.
 """
 
 import glob
@@ -169,6 +169,7 @@ class QuerySampler:
     """
 
     def __init__(self, task, tokenizer, batch_size: int, seed: int, rank: int = 0, world_size: int = 1):
+        """`seed` orders the documents; OAI always uses 0 (`task.query_seed`), whatever the run's seed."""
         self.task, self.tokenizer, self.batch_size = task, tokenizer, batch_size
         self.pad_id = tokenizer.oai_pad_token_id
         self.start_token = single_token(tokenizer, task.start_text, "task.start_text")
@@ -201,12 +202,16 @@ class QuerySampler:
             next(self)
 
 
-def format_queries(queries: torch.Tensor, prefix: list[int], suffix: list[int], pad_id: int) -> torch.Tensor:
-    """prefix + query + suffix, left-padded: what the policy reads (the reward model reads the bare query).
+def format_queries(queries: torch.Tensor, tokenizer, task) -> torch.Tensor:
+    """`task.query_prefix` + query + `task.query_suffix`, left-padded: what the policy reads
+    (the reward model reads the bare query, as in OAI).
 
     # OAI: lm_human_preferences/lm_tasks.py#L68-L79 (query_formatter)
     """
+    prefix = tokenizer.encode(task.query_prefix, add_special_tokens=False)
+    suffix = tokenizer.encode(task.query_suffix, add_special_tokens=False)
     if not prefix and not suffix:
         return queries
-    rows = [prefix + strip_pad(q, pad_id) + suffix for q in queries]
-    return left_pad(rows, queries.shape[1] + len(prefix) + len(suffix), pad_id)
+    pad_id = tokenizer.oai_pad_token_id
+    rows = [prefix + strip_pad(q, pad_id) + suffix for q in queries.tolist()]
+    return left_pad(rows, queries.shape[1] + len(prefix) + len(suffix), pad_id).to(queries.device)

@@ -40,15 +40,15 @@ class Args:
 def make_labels(lm, tokenizer, sampler: QuerySampler, task: TaskHParams, labeler: labelers.Labeler, num_labels: int, num_responses: int) -> Labels:
     """`num_labels` best-of-`num_responses` labels of the policy `lm`'s samples."""
     pad_id = tokenizer.oai_pad_token_id
-    prefix = tokenizer.encode(task.query_prefix, add_special_tokens=False)
-    suffix = tokenizer.encode(task.query_suffix, add_special_tokens=False)
+    device = next(lm.parameters()).device
     queries, samples, best = [], [], []
     while sum(len(q) for q in queries) < num_labels:
         query = next(sampler)  # (B, Q)
-        contexts = format_queries(query, prefix, suffix, pad_id).repeat_interleave(num_responses, dim=0)
+        contexts = format_queries(query, tokenizer, task).repeat_interleave(num_responses, dim=0).to(device)
         responses, _ = sample_responses(lm, contexts, pad_id, task.response_length, task.temperature)  # (B*K, R)
         if task.truncate_token is not None:
             responses = truncate_after_token(responses, task.truncate_token, task.truncate_after, pad_id)
+        responses = responses.cpu()
         query_texts = [tokenizer.decode(strip_pad(q, pad_id)) for q in query.repeat_interleave(num_responses, dim=0)]
         response_texts = [tokenizer.decode(strip_pad(r, pad_id)) for r in responses]
         scores = torch.tensor(labeler(query_texts, response_texts), dtype=torch.float64).view(-1, num_responses)
@@ -70,7 +70,7 @@ def main() -> None:
     labeler = labelers.load_labeler(args.labeler)
     tokenizer = load_tokenizer(args.task.base_model)
     lm = load_causal_lm(args.task.base_model)
-    sampler = QuerySampler(args.task, tokenizer, batch_size=args.batch_size, seed=args.seed)
+    sampler = QuerySampler(args.task, tokenizer, batch_size=args.batch_size, seed=args.task.query_seed)
     labels = make_labels(lm, tokenizer, sampler, args.task, labeler, args.num_labels, args.num_responses)
     write_labels(args.output, labels, tokenizer.oai_pad_token_id)
     print(f"wrote {len(labels)} labels to {args.output}")

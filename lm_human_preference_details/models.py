@@ -58,7 +58,7 @@ def disable_dropout(model: nn.Module) -> nn.Module:
 
 
 def scalar_head(hidden_size: int, std: float) -> nn.Linear:
-    """A linear map to one number, weight N(0, std), bias 0 (# OAI: lm_human_preferences/language/model.py#L254)."""
+    """A linear map to one number, weight N(0, std), bias 0 (# OAI: lm_human_preferences/language/model.py#L248-L254, fc_layer)."""
     head = nn.Linear(hidden_size, 1)
     nn.init.normal_(head.weight, std=std)
     nn.init.zeros_(head.bias)
@@ -103,7 +103,7 @@ class RewardModel(nn.Module):
         self.backbone = backbone
         self.base_model_name = base_model
         d = backbone.config.hidden_size
-        self.head = scalar_head(d, std=1 / (d + 1) ** 0.5)  # OAI: lm_human_preferences/language/model.py#L254
+        self.head = scalar_head(d, std=1 / (d + 1) ** 0.5)  # OAI: lm_human_preferences/language/model.py#L248-L254
         self.gain = nn.Parameter(torch.ones(()))  # OAI: lm_human_preferences/rewards.py#L50-L51 (gain 1, bias 0)
         self.bias = nn.Parameter(torch.zeros(()))
         disable_dropout(self)

@@ -1,7 +1,7 @@
 """Adam with TensorFlow 1's epsilon placement.
 
 OAI trains with `tf.train.AdamOptimizer(learning_rate, epsilon=1e-5)`
-(# OAI: lm_human_preferences/utils/core.py#L224-L229, `minimize`). TF1 folds the bias
+(# OAI: lm_human_preferences/utils/core.py, `minimize`, about L621-L629). TF1 folds the bias
 correction into the step size and adds epsilon to the *uncorrected* sqrt(v):
 
     lr_t = lr * sqrt(1 - b2^t) / (1 - b1^t)
@@ -15,8 +15,11 @@ large (see the ablation in benchmarks/ and the "N implementation details" post).
 """
 
 import math
+from typing import Literal
 
 import torch
+
+OptimizerName = Literal["adam_tf", "adam_torch"]
 
 
 class AdamTensorFlowStyle(torch.optim.Optimizer):
@@ -56,3 +59,10 @@ class AdamTensorFlowStyle(torch.optim.Optimizer):
                 step_size = group["lr"] * math.sqrt(1 - beta2**t) / (1 - beta1**t)
                 p.addcdiv_(exp_avg, exp_avg_sq.sqrt().add_(group["eps"]), value=-step_size)
         return loss
+
+
+def make_optimizer(name: OptimizerName, params, lr: float, eps: float) -> torch.optim.Optimizer:
+    """`adam_tf`: OAI's optimizer (the default everywhere); `adam_torch`: torch.optim.Adam, for the ablation."""
+    if name == "adam_tf":
+        return AdamTensorFlowStyle(params, lr=lr, eps=eps)
+    return torch.optim.Adam(params, lr=lr, eps=eps)

@@ -235,16 +235,3 @@ def ppo_loss(
             }
         )
     return loss, stats
-
-
-def explained_variance(values: Tensor, returns: Tensor) -> Tensor:
-    """1 - mean((values - returns)^2) / var(returns), over all elements; 0-d tensor.
-
-    values, returns: same shape, e.g. (B, T). This is OAI's `ppo/val/var_explained`,
-    `1 - val/error / returns/var` (train_policy.py#L241), on one batch. OAI divides the two
-    stats after averaging them over minibatches; do that in the caller to match its logs exactly.
-    Unlike `1 - var(returns - values) / var(returns)` (cleanrl) a constant bias in the values
-    counts as unexplained. -inf (or NaN) when the returns are constant.
-    """
-    error = ((values - returns) ** 2).mean()
-    return 1.0 - error / returns.var(correction=0)

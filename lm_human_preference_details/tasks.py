@@ -27,6 +27,8 @@ class TaskHParams:
     """text put before every query the policy reads"""
     query_suffix: str = ""
     """text put after every query the policy reads"""
+    query_seed: int = 0
+    """order of the query documents; OAI's is 0 whatever the run's seed (# OAI: lm_human_preferences/language/datasets.py#L33)"""
     start_text: str | None = "."
     """a query starts after the first occurrence of this token in the document (None: at its start)"""
     end_text: str | None = None
@@ -77,7 +79,7 @@ class TaskPreset:
 
 
 def _books(labels: str) -> TaskPreset:
-    # OAI: lm_human_preferences/launch.py (books_task, sentiment / descriptiveness experiments)
+    # OAI: launch.py#L8-L19 (books_task), #L49-L72 (reward experiments), #L116-L138 (policy sentiment)
     return TaskPreset(
         task=TaskHParams(
             base_model="gpt2", query_dataset="books", query_length=64, start_text=".", end_text=".",
@@ -109,14 +111,20 @@ PRESETS: dict[str, TaskPreset] = {
             ppo=dict(total_episodes=64 * 30, batch_size=64, lr=3e-4, noptepochs=4, nminibatches=1),
         ),
     ),
-    # a real pretrained LM, offline: SmolLM2-135M learns the vader labeler's taste for positive text
+    # a real pretrained LM, offline: SmolLM2-135M learns the VADER labeler's taste for positive text;
+    # sized for the CPU quickstart (about 4 minutes of stage 1, 8 of stage 2 on 2 cores)
     "sentiment-smollm2": TaskPreset(
         task=TaskHParams(
-            base_model=SMOLLM2, query_dataset="chatterbot", query_length=24, start_text=None, end_text=None,
+            base_model=SMOLLM2, query_dataset="chatterbot", query_length=16, start_text=None, end_text=None,
             response_length=16, temperature=0.7,
         ),
-        labels=LabelHParams(type="best_of_4", num_train=384, num_test=128, labeler="vader"),
-        reward=dict(batch_size=16, lr=2e-5, rollout_batch_size=64, normalize_samples=128),
+        labels=LabelHParams(type="best_of_4", num_train=512, num_test=64, labeler="vader"),
+        reward=dict(batch_size=16, lr=1e-4, rollout_batch_size=128, normalize_samples=128),
+        policy=dict(
+            eval_labeler="vader",
+            rewards=dict(kl_coef=0.05, adaptive_kl=True, target_kl=6.0, horizon=10000),
+            ppo=dict(total_episodes=32 * 20, batch_size=32, lr=3e-5, noptepochs=2, nminibatches=1),
+        ),
     ),
 }
 

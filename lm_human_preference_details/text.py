@@ -103,8 +103,9 @@ def left_pad(sequences: list[list[int]], length: int, pad_id: int) -> torch.Tens
 
 
 def strip_pad(tokens, pad_id: int) -> list[int]:
-    """The ids of a 1-d sequence without its pad ids."""
-    return [int(t) for t in tokens if int(t) != pad_id]
+    """The ids of a 1-d sequence (list or tensor) without its pad ids."""
+    tokens = tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens
+    return [t for t in tokens if t != pad_id]
 
 
 def truncate_after_token(responses: torch.Tensor, truncate_token: int, truncate_after: int, pad_id: int) -> torch.Tensor:

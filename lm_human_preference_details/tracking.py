@@ -82,3 +82,27 @@ def _open_log(path: str, keep_up_to_step: int | None):
 def read_metrics(path: str) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_curves(metrics_path: str, panels: dict[str, list[str]], png_path: str, title: str) -> None:
+    """One panel per entry of `panels` (panel title -> metric names), x axis = step; saved as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(metrics_path)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
+    for ax, (panel, names) in zip(axes[0], panels.items()):
+        for name in names:
+            points = [(r["step"], r[name]) for r in records if name in r]
+            if points:
+                ax.plot(*zip(*points), marker=".", label=name)
+        ax.set_title(panel)
+        ax.set_xlabel("update")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)

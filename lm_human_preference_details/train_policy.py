@@ -24,10 +24,11 @@ from dataclasses import dataclass, field
 
 import torch
 import tyro
-from accelerate.utils import set_seed
+from accelerate.utils import broadcast_object_list, set_seed
 
 from lm_human_preference_details import checkpoint, cli, labelers, ppo, tasks, train_reward
 from lm_human_preference_details.data import QuerySampler, format_queries
+from lm_human_preference_details.optim import OptimizerName, make_optimizer
 from lm_human_preference_details.models import PolicyAndValue, RewardModel, load_causal_lm, logprobs_of
 from lm_human_preference_details.sampling import sample_responses
 from lm_human_preference_details.tasks import TaskHParams
@@ -37,7 +38,7 @@ from lm_human_preference_details.tracking import Tracker, WandbMode
 
 @dataclass
 class RewardHParams:
-    """The reward: a trained model and the KL penalty (# OAI: lm_human_preferences/train_policy.py#L30-L46)."""
+    """The reward: a trained model and the KL penalty (# OAI: lm_human_preferences/train_policy.py#L25-L43)."""
 
     trained_model: str | None = None
     """folder written by train_reward.py; None: train one first in this run (OAI's train_new_model)"""
@@ -53,7 +54,7 @@ class RewardHParams:
 
 @dataclass
 class PPOHParams:
-    """# OAI: lm_human_preferences/train_policy.py#L48-L67"""
+    """# OAI: lm_human_preferences/train_policy.py#L46-L58"""
 
     total_episodes: int = 1_000_000
     """responses sampled over the whole run"""
@@ -69,7 +70,7 @@ class PPOHParams:
     """learning rate at the start; annealed linearly to 0"""
     adam_eps: float = 1e-5
     """Adam epsilon (TF1 placement with `optimizer=adam_tf`)"""
-    optimizer: str = "adam_tf"
+    optimizer: OptimizerName = "adam_tf"
     """`adam_tf`: TensorFlow 1's Adam as OAI; `adam_torch`: torch.optim.Adam (eps inside the bias correction)"""
     vf_coef: float = 0.1
     """weight of the value loss"""
@@ -121,7 +122,7 @@ def defaults_for_task(name: str) -> Args:
 
 
 def validate(args: Args, world_size: int) -> None:
-    """Fail before any work on sizes that do not divide (# OAI: lm_human_preferences/train_policy.py#L69-L80)."""
+    """Fail before any work on sizes that do not divide (# OAI: lm_human_preferences/train_policy.py#L69-L75)."""
     p = args.ppo
     if p.batch_size % world_size:
         raise cli.UserError(f"ppo.batch_size={p.batch_size} must divide evenly over {world_size} processes")
@@ -135,8 +136,11 @@ def validate(args: Args, world_size: int) -> None:
         )
     if p.total_episodes < p.batch_size:
         raise cli.UserError(f"ppo.total_episodes={p.total_episodes} is less than one batch (ppo.batch_size={p.batch_size})")
-    if p.optimizer not in ("adam_tf", "adam_torch"):
-        raise cli.UserError(f"ppo.optimizer={p.optimizer!r}: choose adam_tf or adam_torch")
+    if p.whiten_rewards and per_process // p.nminibatches < 8:
+        raise cli.UserError(
+            f"a minibatch of {per_process // p.nminibatches} per process is too small to whiten rewards over "
+            "(at least 8): raise ppo.batch_size, lower ppo.nminibatches, or set --ppo.no-whiten-rewards"
+        )
 
 
 def load_reward_model(path: str, tokenizer) -> RewardModel:
@@ -167,33 +171,33 @@ def train(args: Args, accelerator) -> tuple[PolicyAndValue, ppo.AdaptiveKLContro
     """Run stage 2 (and stage 1 first when no reward model is given); returns the policy and its KL controller."""
     validate(args, accelerator.num_processes)
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
-    if args.rewards.trained_model is None:  # OAI: lm_human_preferences/launch.py (train_new_model): stage 1 first
+    if args.rewards.trained_model is None:  # OAI: launch.py#L116-L138 (train_new_model): stage 1 first
         reward_args = train_reward.defaults_for_task(args.preset)
         reward_args.task, reward_args.seed = args.task, args.seed
         reward_args.output_dir, reward_args.wandb_mode = os.path.join(args.output_dir, "reward"), args.wandb_mode
         reward_args.run_name = f"{args.run_name or f'policy_{args.preset}_{args.seed}'}_reward"
         reward_path = os.path.join(reward_args.output_dir, "reward_model")
-        if not (args.resume and os.path.isdir(reward_path)):
+        trained = [args.resume and os.path.isdir(reward_path)]
+        broadcast_object_list(trained)  # rank 0 decides, so that all processes take the same path
+        if not trained[0]:
             reward_path = train_reward.train(reward_args, accelerator)
         args.rewards.trained_model = reward_path
     set_seed(args.seed + rank * 100003)  # OAI: lm_human_preferences/utils/core.py#L108-L111
     tokenizer = load_tokenizer(args.task.base_model)
     pad_id = tokenizer.oai_pad_token_id
-    prefix = tokenizer.encode(args.task.query_prefix, add_special_tokens=False)
-    suffix = tokenizer.encode(args.task.query_suffix, add_special_tokens=False)
     reward_model = load_reward_model(args.rewards.trained_model, tokenizer).to(device).requires_grad_(False)
     ref_policy = PolicyAndValue(load_causal_lm(args.task.base_model)).to(device).requires_grad_(False)
     policy = PolicyAndValue(load_causal_lm(args.task.base_model)).to(device)
     eval_labeler = labelers.load_labeler(args.eval_labeler) if args.eval_labeler else None
     p = args.ppo
-    optimizer = train_reward.make_optimizer(p.optimizer, policy.parameters(), p.lr, p.adam_eps)
+    optimizer = make_optimizer(p.optimizer, policy.parameters(), p.lr, p.adam_eps)
     kl_ctl = ppo.AdaptiveKLController(args.rewards.kl_coef, args.rewards.target_kl, args.rewards.horizon) if args.rewards.adaptive_kl \
         else ppo.FixedKLController(args.rewards.kl_coef)  # OAI: lm_human_preferences/train_policy.py#L107-L124
     per_process = p.batch_size // world
     minibatch = per_process // p.nminibatches
     micro_batch = minibatch // p.gradient_accumulation_steps
-    num_updates = p.total_episodes // p.batch_size
-    sampler = QuerySampler(args.task, tokenizer, batch_size=per_process, seed=args.seed, rank=rank, world_size=world)
+    num_updates = -(-p.total_episodes // p.batch_size)  # ceil, OAI: lm_human_preferences/train_policy.py#L78-L79
+    sampler = QuerySampler(args.task, tokenizer, batch_size=per_process, seed=args.task.query_seed, rank=rank, world_size=world)
     model, optimizer = accelerator.prepare(policy, optimizer)
 
     start_update = 1
@@ -217,11 +221,10 @@ def train(args: Args, accelerator) -> tuple[PolicyAndValue, ppo.AdaptiveKLContro
         # ---------------------------------------------------------------- rollout
         with torch.no_grad():
             queries = next(sampler).to(device)  # (B, Q) bare queries: what the reward model reads
-            contexts = format_queries(queries, prefix, suffix, pad_id)  # (B, Q'): what the policy reads
+            contexts = format_queries(queries, tokenizer, args.task)  # (B, Q'): what the policy reads
             responses, _ = sample_responses(accelerator.unwrap_model(model).lm, contexts, pad_id, args.task.response_length, args.task.temperature)
             logits, values = forward_responses(model, contexts, responses, pad_id, args.task.temperature)
             logprobs = logprobs_of(logits, responses, 1.0)  # (B, R), logits already at the temperature
-            entropy = ppo.entropy_from_logits(logits).sum(1)  # (B,)
             del logits
             ref_logits, _ = forward_responses(ref_policy, contexts, responses, pad_id, args.task.temperature)
             ref_logprobs = logprobs_of(ref_logits, responses, 1.0)
@@ -268,7 +271,7 @@ def train(args: Args, accelerator) -> tuple[PolicyAndValue, ppo.AdaptiveKLContro
             kl = (logprobs - ref_logprobs).sum(1)  # (B,) OAI: lm_human_preferences/train_policy.py#L217-L262
             local = {
                 "objective/kl": kl.mean(),
-                "objective/entropy": entropy.mean(),
+                "objective/entropy": (-logprobs).sum(1).mean(),  # OAI: train_policy.py#L222, summed -logprobs
                 "objective/scores": scores.mean(),
                 "objective/score_total": (scores + non_score_reward.sum(1)).mean(),
                 "objective/kl_coef": torch.tensor(kl_ctl.value, device=device),
@@ -297,7 +300,7 @@ def train(args: Args, accelerator) -> tuple[PolicyAndValue, ppo.AdaptiveKLContro
                 for q, r, s in list(zip(queries, scored, scores))[:8]
             ])
         if (args.save_interval and update % args.save_interval == 0) or update == num_updates:
-            loop_state = {"update": update, "kl_coef": kl_ctl.value, "sampler_batches": sampler.batches_drawn}
+            loop_state = {"update": update, "kl_coef": kl_ctl.value, "sampler_batches": sampler.batches_drawn, "world_size": world}
             checkpoint.save(args.output_dir, accelerator, model, optimizer, loop_state)
 
     if accelerator.is_main_process:

@@ -25,7 +25,7 @@ from lm_human_preference_details import cli, labelers, tasks
 from lm_human_preference_details.data import Labels, QuerySampler, format_queries, load_labels, write_labels
 from lm_human_preference_details.make_labels import make_labels
 from lm_human_preference_details.models import RewardModel, load_causal_lm
-from lm_human_preference_details.optim import AdamTensorFlowStyle
+from lm_human_preference_details.optim import OptimizerName, make_optimizer
 from lm_human_preference_details.sampling import sample_responses
 from lm_human_preference_details.tasks import LabelHParams, TaskHParams
 from lm_human_preference_details.text import load_tokenizer
@@ -43,7 +43,7 @@ class Args:
     """learning rate at the start; annealed linearly to 0 over the epoch"""
     adam_eps: float = 1e-5
     """Adam epsilon (OAI: TF1 default for its runs, 1e-5)"""
-    optimizer: str = "adam_tf"
+    optimizer: OptimizerName = "adam_tf"
     """`adam_tf`: TensorFlow 1's Adam as OAI (eps outside the bias correction); `adam_torch`: torch.optim.Adam"""
     rollout_batch_size: int = 512
     """queries sampled at once from the reference policy to normalize the reward, over all processes"""
@@ -72,7 +72,7 @@ def defaults_for_task(name: str) -> Args:
 
 
 def validate(args: Args, world_size: int) -> None:
-    """Fail before any work on combinations that cannot run (# OAI: lm_human_preferences/train_reward.py#L58-L60)."""
+    """Fail before any work on combinations that cannot run (# OAI: lm_human_preferences/train_reward.py#L56-L58)."""
     if args.labels.num_train <= 0 or args.labels.num_train % args.batch_size:
         raise cli.UserError(f"labels.num_train={args.labels.num_train} must be a positive multiple of batch_size={args.batch_size}")
     if args.batch_size % world_size:
@@ -83,15 +83,7 @@ def validate(args: Args, world_size: int) -> None:
         raise cli.UserError("normalize_samples must be positive when normalize_before or normalize_after is set")
     if args.labels.source is None and args.labels.labeler is None:
         raise cli.UserError("labels: give --labels.source FILE or --labels.labeler NAME to make labels on the spot")
-    if args.optimizer not in ("adam_tf", "adam_torch"):
-        raise cli.UserError(f"optimizer={args.optimizer!r}: choose adam_tf or adam_torch")
     _ = args.labels.num_responses  # raises on a labels.type that is not best_of_N
-
-
-def make_optimizer(name: str, params, lr: float, eps: float) -> torch.optim.Optimizer:
-    if name == "adam_tf":
-        return AdamTensorFlowStyle(params, lr=lr, eps=eps)  # OAI: lm_human_preferences/utils/core.py (minimize)
-    return torch.optim.Adam(params, lr=lr, eps=eps)
 
 
 def query_responses_of(queries: torch.Tensor, samples: torch.Tensor) -> torch.Tensor:
@@ -101,7 +93,7 @@ def query_responses_of(queries: torch.Tensor, samples: torch.Tensor) -> torch.Te
 
 
 def reward_logits(reward_model, labels: Labels, pad_id: int) -> torch.Tensor:
-    """(B, K): the reward of every response of every label (# OAI: lm_human_preferences/label_types.py#L43-L49)."""
+    """(B, K): the reward of every response of every label (# OAI: lm_human_preferences/label_types.py#L44-L49)."""
     return reward_model(query_responses_of(labels.queries, labels.samples), pad_id).view(labels.samples.shape[:2])
 
 
@@ -109,17 +101,15 @@ def reward_logits(reward_model, labels: Labels, pad_id: int) -> torch.Tensor:
 def reference_reward_stats(reward_model, ref_lm, sampler: QuerySampler, task: TaskHParams, tokenizer, num_samples: int, accelerator) -> tuple[float, float]:
     """Mean and population std of the reward of reference-policy samples, over all processes.
 
-    # OAI: lm_human_preferences/train_reward.py#L162-L168 (stats), #L184-L190 (sample_policy_batch):
+    # OAI: lm_human_preferences/train_reward.py#L162-L168 (stats), #L190-L199 (sample_policy_batch):
     responses are sampled untruncated, from the formatted query; the reward model reads the bare query.
     """
     pad_id = tokenizer.oai_pad_token_id
-    prefix = tokenizer.encode(task.query_prefix, add_special_tokens=False)
-    suffix = tokenizer.encode(task.query_suffix, add_special_tokens=False)
     rollout_batch_size = sampler.batch_size * accelerator.num_processes
     rewards = []
     for _ in range(math.ceil(num_samples / rollout_batch_size)):
         queries = next(sampler).to(accelerator.device)
-        responses, _ = sample_responses(ref_lm, format_queries(queries, prefix, suffix, pad_id), pad_id, task.response_length, task.temperature)
+        responses, _ = sample_responses(ref_lm, format_queries(queries, tokenizer, task), pad_id, task.response_length, task.temperature)
         rewards.append(reward_model(torch.cat([queries, responses], dim=1), pad_id))
     rewards = torch.cat(rewards).double()
     sums = accelerator.reduce(torch.stack([rewards.sum(), rewards.square().sum(), torch.tensor(float(len(rewards)), dtype=torch.float64)]), "sum")
@@ -130,7 +120,7 @@ def reference_reward_stats(reward_model, ref_lm, sampler: QuerySampler, task: Ta
 def normalize(reward_model, measure, debug_samples: int, tracker: Tracker, step: int, when: str, accelerator) -> None:
     """gain, bias := 1, 0; measure; set gain and bias to map the measured N(mean, std) to N(0, 1).
 
-    # OAI: lm_human_preferences/train_reward.py#L196-L209 (normalize), rewards.py#L77-L89 (set_reward_norm).
+    # OAI: lm_human_preferences/train_reward.py#L207-L219 (normalize), rewards.py#L77-L89 (set_reward_norm).
     For best_of_N labels the target is N(0, 1) both before and after (PickBest.target_scales is None).
     """
     reward_model.reset_reward_scale()
@@ -157,7 +147,7 @@ def obtain_labels(args: Args, tokenizer, ref_lm, accelerator) -> Labels:
             needed = args.labels.num_train + args.labels.num_test
             accelerator.print(f"making {needed} labels with the {args.labels.labeler!r} labeler")
             # its own query stream, so that labels and normalization samples do not share queries
-            sampler = QuerySampler(args.task, tokenizer, batch_size=args.rollout_batch_size, seed=args.seed + 1_000_003)
+            sampler = QuerySampler(args.task, tokenizer, batch_size=args.rollout_batch_size, seed=args.task.query_seed + 1)
             labeler = labelers.load_labeler(args.labels.labeler)
             labels = make_labels(ref_lm, tokenizer, sampler, args.task, labeler, needed, args.labels.num_responses)
             write_labels(source, labels, tokenizer.oai_pad_token_id)
@@ -186,6 +176,10 @@ def accuracy(reward_model, labels: Labels, pad_id: int, batch_size: int, acceler
 def train(args: Args, accelerator: Accelerator) -> str:
     """Run stage 1; returns the folder of the trained reward model."""
     validate(args, accelerator.num_processes)
+    # every process builds the same reward head, as OAI's rank 0 broadcasts its initial weights
+    # (# OAI: lm_human_preferences/train_reward.py, `sync_models` before training); then each its own stream
+    set_seed(args.seed)
+    reward_model = RewardModel.from_pretrained_lm(args.task.base_model).to(accelerator.device)
     set_seed(args.seed + accelerator.process_index * 100003)  # OAI: lm_human_preferences/utils/core.py#L108-L111
     tracker = Tracker(
         args.output_dir, args, enabled=accelerator.is_main_process, wandb_mode=args.wandb_mode,
@@ -195,13 +189,12 @@ def train(args: Args, accelerator: Accelerator) -> str:
     tokenizer = load_tokenizer(args.task.base_model)
     pad_id = tokenizer.oai_pad_token_id
     ref_lm = load_causal_lm(args.task.base_model).to(device).requires_grad_(False)
-    reward_model = RewardModel.from_pretrained_lm(args.task.base_model).to(device)
     labels = obtain_labels(args, tokenizer, ref_lm, accelerator)
     train_labels = labels[: args.labels.num_train]
     test_labels = labels[args.labels.num_train : args.labels.num_train + args.labels.num_test]
     sampler = QuerySampler(
         args.task, tokenizer, batch_size=args.rollout_batch_size // accelerator.num_processes,
-        seed=args.seed, rank=accelerator.process_index, world_size=accelerator.num_processes,
+        seed=args.task.query_seed, rank=accelerator.process_index, world_size=accelerator.num_processes,
     )
 
     def measure(num_samples):
@@ -221,7 +214,7 @@ def train(args: Args, accelerator: Accelerator) -> str:
             group["lr"] = lr
         batch = train_labels[order[start : start + args.batch_size][accelerator.process_index :: accelerator.num_processes]].to(device)
         logits = reward_logits(model, batch, pad_id)  # (b, K)
-        loss = F.cross_entropy(logits, batch.best)  # OAI: lm_human_preferences/label_types.py#L43-L49
+        loss = F.cross_entropy(logits, batch.best)  # OAI: lm_human_preferences/label_types.py#L44-L49
         optimizer.zero_grad()
         accelerator.backward(loss)
         optimizer.step()

@@ -215,10 +215,13 @@ def test_sampler_rejects_multi_token_start_text(tokenizer):
         QuerySampler(task, tokenizer, batch_size=B, seed=0)
 
 
-def test_format_queries():
+def test_format_queries(tokenizer):
+    a, b, dot = (tokenizer.convert_tokens_to_ids(c) for c in "ab.")
     queries = left_pad([[5, 6, 7], [8]], 3, PAD)
-    out = format_queries(queries, [1, 2], [3], PAD)
+    task = TaskHParams(base_model="tiny", query_prefix="ab", query_suffix=".")
+    out = format_queries(queries, tokenizer, task)
     assert out.shape == (2, 6)
-    assert out.tolist() == [[1, 2, 5, 6, 7, 3], [PAD, PAD, 1, 2, 8, 3]]
-    assert format_queries(queries, [], [3], PAD).tolist() == [[5, 6, 7, 3], [PAD, PAD, 8, 3]]
-    assert format_queries(queries, [], [], PAD) is queries
+    assert out.tolist() == [[a, b, 5, 6, 7, dot], [PAD, PAD, a, b, 8, dot]]
+    suffix_only = TaskHParams(base_model="tiny", query_suffix=".")
+    assert format_queries(queries, tokenizer, suffix_only).tolist() == [[5, 6, 7, dot], [PAD, PAD, 8, dot]]
+    assert format_queries(queries, tokenizer, TaskHParams(base_model="tiny")) is queries

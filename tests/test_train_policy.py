@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from lm_human_preference_details import train_policy
+from lm_human_preference_details.models import PolicyAndValue, load_causal_lm
 from lm_human_preference_details.tracking import read_metrics
 
 ACCELERATE_2 = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
@@ -99,6 +100,23 @@ def test_killed_run_resumes_to_the_same_weights(tmp_path, tiny_reward_model):
     assert steps == [1, 2, 3, 4, 5, 6], steps  # every update logged exactly once
     straight_scores = [m["objective/scores"] for m in read_metrics(tmp_path / "straight" / "metrics.jsonl")]
     assert [m["objective/scores"] for m in read_metrics(metrics_path)] == straight_scores
+
+
+def test_gradient_accumulation_does_not_change_the_update(tmp_path, tiny_reward_model):
+    """A minibatch of 16 in one piece or in 4 micro-batches of 4: the same weights after 2 updates."""
+    from lm_human_preference_details import cli
+
+    weights = []
+    for steps in (1, 4):
+        args = train_policy.defaults_for_task("tiny")
+        args.rewards.trained_model, args.output_dir, args.wandb_mode = tiny_reward_model, str(tmp_path / f"accum{steps}"), "disabled"
+        args.ppo.batch_size, args.ppo.total_episodes, args.ppo.gradient_accumulation_steps = 16, 32, steps
+        policy, _ = train_policy.train(args, cli.make_accelerator())
+        weights.append({k: v.detach().clone() for k, v in policy.state_dict().items()})
+    initial = PolicyAndValue(load_causal_lm("tiny")).state_dict()
+    for name, value in weights[0].items():
+        torch.testing.assert_close(weights[1][name], value, rtol=1e-4, atol=1e-6)
+    assert any(not torch.equal(weights[0][name], initial[name]) for name in initial)  # the updates did move the weights
 
 
 def test_resume_without_checkpoint_is_one_clear_line(tmp_path, tiny_reward_model, monkeypatch, capsys):

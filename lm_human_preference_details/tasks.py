@@ -115,7 +115,9 @@ PRESETS: dict[str, TaskPreset] = {
     # sized for the CPU quickstart (about 4 minutes of stage 1, 8 of stage 2 on 2 cores)
     "sentiment-smollm2": TaskPreset(
         task=TaskHParams(
+            # the query wrapped in SmolLM2's chat template, as OAI's tldr task wraps its query in a prefix/suffix
             base_model=SMOLLM2, query_dataset="chatterbot", query_length=16, start_text=None, end_text=None,
+            query_prefix="<|im_start|>user\n", query_suffix="<|im_end|>\n<|im_start|>assistant\n",
             response_length=16, temperature=0.7,
         ),
         labels=LabelHParams(type="best_of_4", num_train=512, num_test=64, labeler="vader"),

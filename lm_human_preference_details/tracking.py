@@ -8,12 +8,38 @@ Only the main process logs; the others get a Tracker that does nothing.
 import dataclasses
 import json
 import os
+from dataclasses import dataclass
 from typing import Literal
+
+import tyro
 
 WandbMode = Literal["auto", "online", "offline", "disabled"]
 
 
+@dataclass
+class RunArgs:
+    """The fields every stage script shares; each script's Args extends it."""
+
+    preset: tyro.conf.Suppress[str] = "sentiment"
+    seed: int = 1
+    """process r uses seed + r * 100003"""
+    wandb_mode: WandbMode = "auto"
+    """`auto`: online with WANDB_API_KEY, else offline; `disabled`: metrics.jsonl only"""
+    wandb_project: str = "lm-human-preference-details"
+    """wandb project"""
+    run_name: str | None = None
+    """wandb run name (default: <stage>_<preset>_<seed>)"""
+
+    def run_name_for(self, stage: str) -> str:
+        return self.run_name or f"{stage}_{self.preset}_{self.seed}"
+
+
 class Tracker:
+    @classmethod
+    def for_run(cls, args: RunArgs, stage: str, accelerator, resume_after_step: int | None = None) -> "Tracker":
+        return cls(args.output_dir, args, enabled=accelerator.is_main_process, wandb_mode=args.wandb_mode,
+                   project=args.wandb_project, run_name=args.run_name_for(stage), resume_after_step=resume_after_step)
+
     def __init__(self, output_dir: str, config, *, enabled: bool, wandb_mode: WandbMode, project: str, run_name: str, resume_after_step: int | None = None):
         """`resume_after_step`: continue the run's files, dropping what was logged after that step
         (a run killed after its last checkpoint logged steps that the resumed run logs again)."""

@@ -23,7 +23,6 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import tyro
 from accelerate.utils import broadcast_object_list, set_seed
 
 from lm_human_preference_details import checkpoint, cli, labelers, ppo, tasks, train_reward
@@ -33,7 +32,7 @@ from lm_human_preference_details.models import PolicyAndValue, RewardModel, load
 from lm_human_preference_details.sampling import sample_responses
 from lm_human_preference_details.tasks import TaskHParams
 from lm_human_preference_details.text import contains_truncate_token, load_tokenizer, strip_pad, truncate_after_token
-from lm_human_preference_details.tracking import Tracker, WandbMode
+from lm_human_preference_details.tracking import RunArgs, Tracker
 
 
 @dataclass
@@ -87,15 +86,18 @@ class PPOHParams:
 
 
 @dataclass
-class Args:
-    preset: tyro.conf.Suppress[str] = "sentiment"
+class Args(RunArgs):
+    """Stage 2: PPO against a trained reward model (trained first when none is given).
+
+    `--task NAME` picks a preset (sentiment, descriptiveness, tiny, sentiment-smollm2, in tasks.py)
+    whose values are the defaults below; any flag overrides them.
+    """
+
     task: TaskHParams = field(default_factory=TaskHParams)
     rewards: RewardHParams = field(default_factory=RewardHParams)
     ppo: PPOHParams = field(default_factory=PPOHParams)
     eval_labeler: str | None = None
     """also score samples with this labeler (`vader`, `vowels`, module:function) and log objective/labeler_score"""
-    seed: int = 1
-    """process r uses seed + r * 100003"""
     output_dir: str = "runs/policy"
     """metrics.jsonl, samples.jsonl, args.json, checkpoint/, and the final policy under policy/"""
     save_interval: int = 10
@@ -104,11 +106,6 @@ class Args:
     """updates between sample tables"""
     resume: bool = False
     """continue the run in output_dir from its last checkpoint"""
-    wandb_mode: WandbMode = "auto"
-    """`auto`: online with WANDB_API_KEY, else offline"""
-    wandb_project: str = "lm-human-preference-details"
-    run_name: str | None = None
-    """wandb run name (default: policy_<preset>_<seed>)"""
 
 
 def defaults_for_task(name: str) -> Args:
@@ -175,7 +172,7 @@ def train(args: Args, accelerator) -> tuple[PolicyAndValue, ppo.AdaptiveKLContro
         reward_args = train_reward.defaults_for_task(args.preset)
         reward_args.task, reward_args.seed = args.task, args.seed
         reward_args.output_dir, reward_args.wandb_mode = os.path.join(args.output_dir, "reward"), args.wandb_mode
-        reward_args.run_name = f"{args.run_name or f'policy_{args.preset}_{args.seed}'}_reward"
+        reward_args.run_name = f"{args.run_name_for('policy')}_reward"
         reward_path = os.path.join(reward_args.output_dir, "reward_model")
         trained = [args.resume and os.path.isdir(reward_path)]
         broadcast_object_list(trained)  # rank 0 decides, so that all processes take the same path
@@ -206,11 +203,7 @@ def train(args: Args, accelerator) -> tuple[PolicyAndValue, ppo.AdaptiveKLContro
         kl_ctl.value, start_update = loop["kl_coef"], loop["update"] + 1
         sampler.skip(loop["sampler_batches"])
         accelerator.print(f"resumed after update {loop['update']}")
-    tracker = Tracker(
-        args.output_dir, args, enabled=accelerator.is_main_process, wandb_mode=args.wandb_mode,
-        project=args.wandb_project, run_name=args.run_name or f"policy_{args.preset}_{args.seed}",
-        resume_after_step=start_update - 1 if args.resume else None,
-    )
+    tracker = Tracker.for_run(args, "policy", accelerator, resume_after_step=start_update - 1 if args.resume else None)
     started = time.time()
     for update in range(start_update, num_updates + 1):
         update_started = time.time()

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-import tyro
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
@@ -29,12 +28,17 @@ from lm_human_preference_details.optim import OptimizerName, make_optimizer
 from lm_human_preference_details.sampling import sample_responses
 from lm_human_preference_details.tasks import LabelHParams, TaskHParams
 from lm_human_preference_details.text import load_tokenizer
-from lm_human_preference_details.tracking import Tracker, WandbMode
+from lm_human_preference_details.tracking import RunArgs, Tracker
 
 
 @dataclass
-class Args:
-    preset: tyro.conf.Suppress[str] = "sentiment"
+class Args(RunArgs):
+    """Stage 1: train a reward model from best-of-N labels.
+
+    `--task NAME` picks a preset (sentiment, descriptiveness, tiny, sentiment-smollm2, in tasks.py)
+    whose values are the defaults below; any flag overrides them.
+    """
+
     task: TaskHParams = field(default_factory=TaskHParams)
     labels: LabelHParams = field(default_factory=LabelHParams)
     batch_size: int = 32
@@ -55,15 +59,8 @@ class Args:
     """reference samples that estimate the reward's mean and std (rounded up to whole rollout batches)"""
     debug_normalize: int = 0
     """reference samples that re-measure mean and std after normalizing (0: do not)"""
-    seed: int = 1
-    """process r uses seed + r * 100003"""
     output_dir: str = "runs/reward"
     """metrics.jsonl, args.json, labels made on the spot, and the trained model under reward_model/"""
-    wandb_mode: WandbMode = "auto"
-    """`auto`: online with WANDB_API_KEY, else offline"""
-    wandb_project: str = "lm-human-preference-details"
-    run_name: str | None = None
-    """wandb run name (default: reward_<preset>_<seed>)"""
 
 
 def defaults_for_task(name: str) -> Args:
@@ -181,10 +178,7 @@ def train(args: Args, accelerator: Accelerator) -> str:
     set_seed(args.seed)
     reward_model = RewardModel.from_pretrained_lm(args.task.base_model).to(accelerator.device)
     set_seed(args.seed + accelerator.process_index * 100003)  # OAI: lm_human_preferences/utils/core.py#L108-L111
-    tracker = Tracker(
-        args.output_dir, args, enabled=accelerator.is_main_process, wandb_mode=args.wandb_mode,
-        project=args.wandb_project, run_name=args.run_name or f"reward_{args.preset}_{args.seed}",
-    )
+    tracker = Tracker.for_run(args, "reward", accelerator)
     device = accelerator.device
     tokenizer = load_tokenizer(args.task.base_model)
     pad_id = tokenizer.oai_pad_token_id

@@ -155,3 +155,15 @@ def assert_one_line_error(monkeypatch, capsys, argv, message):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+
+
+@pytest.mark.slow
+def test_quickstart_runs_through_on_the_tiny_preset(tmp_path):
+    """The quickstart's own code path (labels, reward model, PPO, plot, before/after) on the tiny preset."""
+    cmd = [sys.executable, "-m", "lm_human_preference_details.quickstart", "--task", "tiny", "--output-dir", str(tmp_path),
+           "--ppo.total-episodes", str(64 * 4), *QUIET]
+    result = run(cmd)
+    assert "the same queries, before and after PPO" in result.stdout
+    assert "vowels score of the policy's samples" in result.stdout
+    png = tmp_path / "learning_curves.png"
+    assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

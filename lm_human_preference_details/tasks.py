@@ -112,7 +112,7 @@ PRESETS: dict[str, TaskPreset] = {
         ),
     ),
     # a real pretrained LM, offline: SmolLM2-135M learns the VADER labeler's taste for positive text;
-    # sized for the CPU quickstart (about 4 minutes of stage 1, 8 of stage 2 on 2 cores)
+    # sized for the CPU quickstart (about 8 minutes of stage 1, 7 of stage 2 on 2 cores)
     "sentiment-smollm2": TaskPreset(
         task=TaskHParams(
             # the query wrapped in SmolLM2's chat template, as OAI's tldr task wraps its query in a prefix/suffix
@@ -120,12 +120,12 @@ PRESETS: dict[str, TaskPreset] = {
             query_prefix="<|im_start|>user\n", query_suffix="<|im_end|>\n<|im_start|>assistant\n",
             response_length=16, temperature=0.7,
         ),
-        labels=LabelHParams(type="best_of_4", num_train=512, num_test=64, labeler="vader"),
+        labels=LabelHParams(type="best_of_4", num_train=384, num_test=64, labeler="vader"),
         reward=dict(batch_size=16, lr=1e-4, rollout_batch_size=128, normalize_samples=128),
         policy=dict(
             eval_labeler="vader",
             rewards=dict(kl_coef=0.05, adaptive_kl=True, target_kl=6.0, horizon=10000),
-            ppo=dict(total_episodes=32 * 20, batch_size=32, lr=3e-5, noptepochs=2, nminibatches=1),
+            ppo=dict(total_episodes=32 * 16, batch_size=32, lr=3e-5, noptepochs=2, nminibatches=1),
         ),
     ),
 }

@@ -132,6 +132,27 @@ def test_bad_file(text, words):
     assert isinstance(info.value, UserError)
 
 
+def test_load_labels_over_http_from_another_process(label_file):
+    """A label file served by a real HTTP server in another process, as OAI's URLs are."""
+    import os
+    import subprocess
+    import sys
+
+    path, labels = label_file
+    server = subprocess.Popen([sys.executable, "-m", "http.server", "0", "--bind", "127.0.0.1", "--directory", os.path.dirname(path)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        port = int(server.stdout.readline().split("port ")[1].split()[0])  # "Serving HTTP on 127.0.0.1 port N ..."
+        url = f"http://127.0.0.1:{port}/{os.path.basename(path)}"
+        loaded = load_labels(url, **SPEC)
+        assert torch.equal(loaded.samples, labels.samples) and torch.equal(loaded.best, labels.best)
+        with pytest.raises(LabelFileError, match="cannot download"):
+            load_labels(f"http://127.0.0.1:{port}/missing.json", **SPEC)
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
 def test_load_labels_missing_file(tmp_path):
     path = str(tmp_path / "nope.json")
     with pytest.raises(LabelFileError, match="no such file") as info:

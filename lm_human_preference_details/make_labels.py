@@ -51,7 +51,7 @@ def make_labels(lm, tokenizer, sampler: QuerySampler, task: TaskHParams, labeler
     while sum(len(q) for q in queries) < num_labels:
         query = next(sampler)  # (B, Q)
         contexts = format_queries(query, tokenizer, task).repeat_interleave(num_responses, dim=0).to(device)
-        responses, _ = sample_responses(lm, contexts, pad_id, task.response_length, task.temperature)  # (B*K, R)
+        responses, _ = sample_responses(lm, contexts, pad_id, task.response_length, task.temperature, vocab_size=len(tokenizer))  # (B*K, R)
         if task.truncate_token is not None:
             responses = truncate_after_token(responses, task.truncate_token, task.truncate_after, pad_id)
         responses = responses.cpu()

@@ -76,16 +76,18 @@ class PolicyAndValue(nn.Module):
     # at zero (# OAI: lm_human_preferences/language/model.py#L368, `scale=0 if head_name == 'value'`).
     """
 
-    def __init__(self, lm: nn.Module):
+    def __init__(self, lm: nn.Module, vocab_size: int | None = None):
         super().__init__()
         self.lm = lm
+        self.vocab_size = vocab_size  # logits beyond the tokenizer's ids are dropped (# OAI: policy.py#L59)
         self.value_head = scalar_head(lm.config.hidden_size, std=0.0)
         disable_dropout(self)
 
     def forward(self, input_ids: torch.Tensor, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, T) ids -> logits (B, T, V) and values (B, T)."""
         hidden = self.lm.base_model(**masked_inputs(input_ids, pad_id)).last_hidden_state  # (B, T, H)
-        return self.lm.get_output_embeddings()(hidden), self.value_head(hidden).squeeze(-1)
+        logits = self.lm.get_output_embeddings()(hidden)[..., : self.vocab_size]  # (B, T, V)
+        return logits, self.value_head(hidden).squeeze(-1)
 
 
 class RewardModel(nn.Module):

@@ -29,7 +29,7 @@ def answer(lm, tokenizer, task, queries: torch.Tensor, seed: int) -> list[str]:
     pad_id = tokenizer.oai_pad_token_id
     torch.manual_seed(seed)
     contexts = format_queries(queries, tokenizer, task).to(next(lm.parameters()).device)
-    responses, _ = sample_responses(lm, contexts, pad_id, task.response_length, task.temperature)
+    responses, _ = sample_responses(lm, contexts, pad_id, task.response_length, task.temperature, vocab_size=len(tokenizer))
     return [tokenizer.decode(strip_pad(r, pad_id)) for r in responses]
 
 

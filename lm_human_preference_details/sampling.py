@@ -19,9 +19,12 @@ def sample_responses(
     response_length: int,
     temperature: float,
     generator: torch.Generator | None = None,
+    vocab_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample `response_length` tokens after left-padded `queries` (B, Q).
 
+    `vocab_size`: only the tokenizer's ids are sampled, never the extra rows of a padded embedding
+    table (# OAI: lm_human_preferences/policy.py#L59, logits sliced to n_vocab).
     Returns responses (B, R) and their logprobs under softmax(logits / temperature) (B, R).
     """
     inputs = masked_inputs(queries, pad_id)
@@ -30,7 +33,7 @@ def sample_responses(
     out = lm(**inputs, use_cache=True)
     tokens, logprobs = [], []
     for step in range(response_length):
-        logits = out.logits[:, -1].float() / temperature  # OAI: lm_human_preferences/policy.py#L121
+        logits = out.logits[:, -1, :vocab_size].float() / temperature  # OAI: lm_human_preferences/policy.py#L121
         log_probs = logits.log_softmax(-1)  # (B, V)
         token = torch.multinomial(log_probs.exp(), 1, generator=generator)  # (B, 1)
         tokens.append(token)

@@ -183,8 +183,8 @@ def train(args: Args, accelerator) -> tuple[PolicyAndValue, ppo.AdaptiveKLContro
     tokenizer = load_tokenizer(args.task.base_model)
     pad_id = tokenizer.oai_pad_token_id
     reward_model = load_reward_model(args.rewards.trained_model, tokenizer).to(device).requires_grad_(False)
-    ref_policy = PolicyAndValue(load_causal_lm(args.task.base_model)).to(device).requires_grad_(False)
-    policy = PolicyAndValue(load_causal_lm(args.task.base_model)).to(device)
+    ref_policy = PolicyAndValue(load_causal_lm(args.task.base_model), len(tokenizer)).to(device).requires_grad_(False)
+    policy = PolicyAndValue(load_causal_lm(args.task.base_model), len(tokenizer)).to(device)
     eval_labeler = labelers.load_labeler(args.eval_labeler) if args.eval_labeler else None
     p = args.ppo
     optimizer = make_optimizer(p.optimizer, policy.parameters(), p.lr, p.adam_eps)
@@ -215,7 +215,9 @@ def train(args: Args, accelerator) -> tuple[PolicyAndValue, ppo.AdaptiveKLContro
         with torch.no_grad():
             queries = next(sampler).to(device)  # (B, Q) bare queries: what the reward model reads
             contexts = format_queries(queries, tokenizer, args.task)  # (B, Q'): what the policy reads
-            responses, _ = sample_responses(accelerator.unwrap_model(model).lm, contexts, pad_id, args.task.response_length, args.task.temperature)
+            responses, _ = sample_responses(
+                accelerator.unwrap_model(model).lm, contexts, pad_id, args.task.response_length, args.task.temperature, vocab_size=len(tokenizer)
+            )
             logits, values = forward_responses(model, contexts, responses, pad_id, args.task.temperature)
             logprobs = logprobs_of(logits, responses, 1.0)  # (B, R), logits already at the temperature
             del logits

@@ -106,7 +106,9 @@ def reference_reward_stats(reward_model, ref_lm, sampler: QuerySampler, task: Ta
     rewards = []
     for _ in range(math.ceil(num_samples / rollout_batch_size)):
         queries = next(sampler).to(accelerator.device)
-        responses, _ = sample_responses(ref_lm, format_queries(queries, tokenizer, task), pad_id, task.response_length, task.temperature)
+        responses, _ = sample_responses(
+            ref_lm, format_queries(queries, tokenizer, task), pad_id, task.response_length, task.temperature, vocab_size=len(tokenizer)
+        )
         rewards.append(reward_model(torch.cat([queries, responses], dim=1), pad_id))
     rewards = torch.cat(rewards).double()
     sums = accelerator.reduce(torch.stack([rewards.sum(), rewards.square().sum(), torch.tensor(float(len(rewards)), dtype=torch.float64)]), "sum")

@@ -5,7 +5,7 @@ import torch
 
 from lm_human_preference_details.models import PolicyAndValue, load_causal_lm, logprobs_of
 from lm_human_preference_details.sampling import sample_responses
-from lm_human_preference_details.text import load_tokenizer
+from lm_human_preference_details.text import left_pad, load_tokenizer
 
 R = 12
 
@@ -96,3 +96,22 @@ def test_fixed_length_even_when_eos_dominates(lm, tokenizer):
     assert not (responses == pad).any()
     torch.testing.assert_close(logprobs, expected, rtol=0, atol=1e-5)
     assert logprobs[is_eos].mean() > -0.5  # the hook did bias the sampled distribution
+
+
+def test_never_samples_beyond_the_tokenizer_vocab():
+    """A model whose embedding table has extra rows (padded vocab) must not sample them (OAI policy.py#L59)."""
+    tokenizer = load_tokenizer("tiny")
+    pad_id = tokenizer.oai_pad_token_id
+    lm = load_causal_lm("tiny")
+    lm.resize_token_embeddings(len(tokenizer) + 8)
+    def favour_extra_rows(module, inputs, logits):  # the extra rows would win every draw
+        return torch.cat([logits[..., : len(tokenizer)], logits[..., len(tokenizer) :] + 100.0], dim=-1)
+
+    lm.get_output_embeddings().register_forward_hook(favour_extra_rows)
+    queries = left_pad([[1, 2, 3]] * 8, 4, pad_id)
+    unsliced, _ = sample_responses(lm, queries, pad_id, 6, 1.0)
+    assert (unsliced >= len(tokenizer)).all()  # the hazard is real
+    responses, _ = sample_responses(lm, queries, pad_id, 6, 1.0, vocab_size=len(tokenizer))
+    assert (responses < len(tokenizer)).all()
+    logits, _ = PolicyAndValue(lm, vocab_size=len(tokenizer))(torch.cat([queries, responses], 1), pad_id)
+    assert logits.shape[-1] == len(tokenizer)

@@ -31,7 +31,8 @@ def parse(args_type: type[T], defaults_for_task: Callable[[str], T], default_tas
             task = arg.split("=", 1)[1]
             del argv[i]
             break
-    return tyro.cli(args_type, default=defaults_for_task(task), args=argv)
+    description = f"{args_type.__doc__}\n\n`--task NAME` picks a preset of tasks.py (default {default_task}) whose values are the defaults below; any flag overrides them."
+    return tyro.cli(args_type, default=defaults_for_task(task), args=argv, description=description)
 
 
 def make_accelerator():

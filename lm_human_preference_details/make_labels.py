@@ -20,11 +20,7 @@ from .text import load_tokenizer, strip_pad, truncate_after_token
 
 @dataclass
 class Args:
-    """Best-of-N labels from a programmatic labeler, in OAI's label-file format.
-
-    `--task NAME` picks a preset (sentiment, descriptiveness, tiny, sentiment-smollm2, in tasks.py)
-    whose values are the defaults below; any flag overrides them.
-    """
+    """Best-of-N labels from a programmatic labeler, in OAI's label-file format."""
 
     preset: tyro.conf.Suppress[str] = "sentiment"
     task: TaskHParams = field(default_factory=TaskHParams)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 from accelerate.utils import broadcast_object_list, set_seed
+from safetensors.torch import save_file
 
 from lm_human_preference_details import checkpoint, cli, labelers, ppo, tasks, train_reward
 from lm_human_preference_details.data import QuerySampler, format_queries
@@ -87,11 +88,7 @@ class PPOHParams:
 
 @dataclass
 class Args(RunArgs):
-    """Stage 2: PPO against a trained reward model (trained first when none is given).
-
-    `--task NAME` picks a preset (sentiment, descriptiveness, tiny, sentiment-smollm2, in tasks.py)
-    whose values are the defaults below; any flag overrides them.
-    """
+    """Stage 2: PPO against a trained reward model (trained first when none is given)."""
 
     task: TaskHParams = field(default_factory=TaskHParams)
     rewards: RewardHParams = field(default_factory=RewardHParams)
@@ -303,7 +300,7 @@ def train(args: Args, accelerator) -> tuple[PolicyAndValue, ppo.AdaptiveKLContro
         unwrapped = accelerator.unwrap_model(model)
         unwrapped.lm.save_pretrained(path)
         tokenizer.save_pretrained(path)
-        torch.save(unwrapped.value_head.state_dict(), os.path.join(path, "value_head.pt"))
+        save_file({k: v.contiguous() for k, v in unwrapped.value_head.state_dict().items()}, os.path.join(path, "value_head.safetensors"))
         accelerator.print(f"saved the policy to {path}")
     accelerator.wait_for_everyone()
     tracker.finish()

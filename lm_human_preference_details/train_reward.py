@@ -33,11 +33,7 @@ from lm_human_preference_details.tracking import RunArgs, Tracker
 
 @dataclass
 class Args(RunArgs):
-    """Stage 1: train a reward model from best-of-N labels.
-
-    `--task NAME` picks a preset (sentiment, descriptiveness, tiny, sentiment-smollm2, in tasks.py)
-    whose values are the defaults below; any flag overrides them.
-    """
+    """Stage 1: train a reward model from best-of-N labels."""
 
     task: TaskHParams = field(default_factory=TaskHParams)
     labels: LabelHParams = field(default_factory=LabelHParams)

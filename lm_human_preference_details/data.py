@@ -124,7 +124,7 @@ def write_labels(path: str, labels: Labels, pad_id: int) -> None:
 
 
 def chatterbot_texts() -> list[str]:
-    """The English sentences of the `chatterbot-corpus` package (about 4,400), offline."""
+    """The distinct English sentences of the `chatterbot-corpus` package, offline."""
     import importlib.util
 
     import yaml
@@ -137,7 +137,7 @@ def chatterbot_texts() -> list[str]:
         with open(path, encoding="utf-8") as f:
             for conversation in yaml.safe_load(f).get("conversations", []):
                 texts.extend(s.strip() for s in conversation if isinstance(s, str) and s.strip())
-    return texts
+    return list(dict.fromkeys(texts))  # the corpus repeats some lines across files
 
 
 def document_stream(name: str, seed: int) -> Iterator[str]:

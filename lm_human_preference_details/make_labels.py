@@ -39,8 +39,11 @@ class Args:
 
 
 @torch.no_grad()
-def make_labels(lm, tokenizer, sampler: QuerySampler, task: TaskHParams, labeler: labelers.Labeler, num_labels: int, num_responses: int) -> Labels:
-    """`num_labels` best-of-`num_responses` labels of the policy `lm`'s samples."""
+def make_labels(
+    lm, tokenizer, sampler: QuerySampler, task: TaskHParams, labeler: labelers.Labeler, num_labels: int, num_responses: int,
+    progress=print,
+) -> Labels:
+    """`num_labels` best-of-`num_responses` labels of the policy `lm`'s samples; `progress` gets a line per batch."""
     pad_id = tokenizer.oai_pad_token_id
     device = next(lm.parameters()).device
     queries, samples, best = [], [], []
@@ -57,6 +60,7 @@ def make_labels(lm, tokenizer, sampler: QuerySampler, task: TaskHParams, labeler
         queries.append(query)
         samples.append(responses.view(len(query), num_responses, -1))
         best.append(labelers.pick_best(scores))
+        progress(f"  labels: {min(sum(len(q) for q in queries), num_labels)}/{num_labels}")
     return Labels(torch.cat(queries), torch.cat(samples), torch.cat(best))[:num_labels]
 
 

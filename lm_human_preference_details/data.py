@@ -182,7 +182,7 @@ class QuerySampler:
         index = 0
         for text in document_stream(self.task.query_dataset, self.seed):
             tokens = query_tokens(self.tokenizer.encode(text, add_special_tokens=False), self.task.query_length, self.start_token, self.end_token)
-            if not tokens:
+            if not tokens:  # OAI would pad it into an all-pad query, which its model asserts against (model.py#L338)
                 continue
             if index % self.world_size == self.rank:
                 yield tokens

@@ -125,7 +125,7 @@ PRESETS: dict[str, TaskPreset] = {
         policy=dict(
             eval_labeler="vader",
             rewards=dict(kl_coef=0.05, adaptive_kl=True, target_kl=6.0, horizon=10000),
-            ppo=dict(total_episodes=32 * 16, batch_size=32, lr=3e-5, noptepochs=2, nminibatches=1),
+            ppo=dict(total_episodes=32 * 16, batch_size=32, lr=1e-4, noptepochs=2, nminibatches=1),
         ),
     ),
 }

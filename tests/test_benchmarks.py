@@ -1,0 +1,44 @@
+"""benchmarks/learning_curves.py in a seconds-long smoke mode: real runs of the stage, CSV and PNGs."""
+
+import csv
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_learning_curves_over_two_seeds_with_a_baseline(tmp_path):
+    reward = tmp_path / "reward"
+    subprocess.run([sys.executable, "-m", "lm_human_preference_details.train_reward", "--task", "tiny", "--output-dir", str(reward),
+                    "--wandb-mode", "disabled", "--labels.num-train", "256", "--labels.num-test", "0"], check=True, capture_output=True)
+    baseline = tmp_path / "baseline.csv"
+    baseline.write_text("step,metric,value,seed\n1,objective/kl,0.0,1\n2,objective/kl,1.0,1\n")
+    out = tmp_path / "curves"
+    load_script("learning_curves").main([
+        "--task", "tiny", "--seeds", "1", "2", "--out-dir", str(out), "--baseline", str(baseline),
+        "--", "--ppo.total-episodes", "128", "--rewards.trained-model", str(reward / "reward_model"),
+    ])
+    with open(out / "curves.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {r["seed"] for r in rows} == {"1", "2"}
+    assert {(r["seed"], r["step"]) for r in rows if r["metric"] == "objective/kl"} == {(s, t) for s in "12" for t in "12"}
+    for metric in ("objective_scores", "objective_kl", "ppo_policy_approxkl"):
+        assert (out / f"{metric}.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_mean_std_by_step():
+    curves = load_script("learning_curves")
+    rows = [{"step": 1, "value": 1.0}, {"step": 1, "value": 3.0}, {"step": 2, "value": 5.0}]
+    assert curves.mean_std_by_step(rows) == ([1, 2], [2.0, 5.0], [1.0, 0.0])

@@ -47,20 +47,22 @@ def make_labels(
     pad_id = tokenizer.oai_pad_token_id
     device = next(lm.parameters()).device
     queries, samples, best = [], [], []
-    while sum(len(q) for q in queries) < num_labels:
+    made = 0
+    while made < num_labels:
         query = next(sampler)  # (B, Q)
         contexts = format_queries(query, tokenizer, task).repeat_interleave(num_responses, dim=0).to(device)
         responses, _ = sample_responses(lm, contexts, pad_id, task.response_length, task.temperature, vocab_size=len(tokenizer))  # (B*K, R)
         if task.truncate_token is not None:
             responses = truncate_after_token(responses, task.truncate_token, task.truncate_after, pad_id)
         responses = responses.cpu()
-        query_texts = [tokenizer.decode(strip_pad(q, pad_id)) for q in query.repeat_interleave(num_responses, dim=0)]
+        query_texts = [text for q in query for text in [tokenizer.decode(strip_pad(q, pad_id))] * num_responses]
         response_texts = [tokenizer.decode(strip_pad(r, pad_id)) for r in responses]
         scores = torch.tensor(labeler(query_texts, response_texts), dtype=torch.float64).view(-1, num_responses)
         queries.append(query)
         samples.append(responses.view(len(query), num_responses, -1))
         best.append(labelers.pick_best(scores))
-        progress(f"  labels: {min(sum(len(q) for q in queries), num_labels)}/{num_labels}")
+        made += len(query)
+        progress(f"  labels: {min(made, num_labels)}/{num_labels}")
     return Labels(torch.cat(queries), torch.cat(samples), torch.cat(best))[:num_labels]
 
 

@@ -3,7 +3,7 @@
 A preset fills the defaults of a stage's `Args`; any flag on the command line overrides it.
 """
 
-import dataclasses
+import copy
 from dataclasses import dataclass, field
 
 from .assets import SMOLLM2, TINY
@@ -134,9 +134,4 @@ PRESETS: dict[str, TaskPreset] = {
 def get_preset(name: str) -> TaskPreset:
     if name not in PRESETS:
         raise UserError(f"--task {name!r} is unknown; choose one of {', '.join(PRESETS)}")
-    return PRESETS[name]
-
-
-def apply_overrides(args, overrides: dict):
-    """A copy of the dataclass `args` with top-level fields replaced."""
-    return dataclasses.replace(args, **overrides)
+    return copy.deepcopy(PRESETS[name])  # callers change their Args freely; the presets stay as written

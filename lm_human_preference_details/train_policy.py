@@ -107,12 +107,10 @@ class Args(RunArgs):
 
 def defaults_for_task(name: str) -> Args:
     preset = tasks.get_preset(name)
-    args = Args(preset=name, task=preset.task)
-    nested = {k: v for k, v in preset.policy.items() if k in ("rewards", "ppo")}
-    args = tasks.apply_overrides(args, {k: v for k, v in preset.policy.items() if k not in nested})
-    for name_, overrides in nested.items():
-        setattr(args, name_, tasks.apply_overrides(getattr(args, name_), overrides))
-    return args
+    overrides = dict(preset.policy)
+    rewards = RewardHParams(**overrides.pop("rewards", {}))
+    ppo_hparams = PPOHParams(**overrides.pop("ppo", {}))
+    return Args(preset=name, task=preset.task, rewards=rewards, ppo=ppo_hparams, **overrides)
 
 
 def validate(args: Args, world_size: int) -> None:

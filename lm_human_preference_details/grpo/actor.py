@@ -1,0 +1,221 @@
+"""The actor: keeps the inference servers busy, `group_size` attempts per problem, scores them,
+writes one record per group to the stream.
+
+How far it may run ahead of the trainer is the only thing the two modes change: it starts group k
+only while k < (servers' weight version + lookahead) * groups per step, where lookahead is
+`steps_ahead` in `pipeline` mode (the servers get new weights every step, so generation and
+training overlap) and `sync_steps` in `sync` mode (the weights change once per round of
+`sync_steps` steps: the actor generates a round with frozen weights, then waits while the
+trainer takes its steps).
+
+A request that fails (server gone, connection dropped, 5xx, timeout) is sent again to another
+server; a server that fails is left alone until its /health answers again.
+
+Run alone: `python -m lm_human_preference_details.grpo.actor --task tiny --servers http://127.0.0.1:8000 --output-dir DIR`
+"""
+
+import asyncio
+import concurrent.futures
+import logging
+import multiprocessing
+import signal
+import time
+from dataclasses import dataclass
+
+import aiohttp
+
+from lm_human_preference_details import cli
+from lm_human_preference_details.grpo.config import GRPOArgs, get_preset, load_task_problems
+from lm_human_preference_details.grpo.rewards import Problem, integer_reward, math_reward
+from lm_human_preference_details.grpo.streams import open_writer
+
+log = logging.getLogger(__name__)
+
+HEALTH_WAIT_S = 2.0
+RETRY_AFTER_S = 1.0
+MAX_ATTEMPTS_PER_REQUEST = 20
+
+
+class ActorError(RuntimeError):
+    pass
+
+
+@dataclass
+class ServerState:
+    url: str
+    version: int = 0
+    in_flight: int = 0
+    down_until: float = 0.0
+
+    def live(self) -> bool:
+        return time.monotonic() >= self.down_until
+
+
+class Actor:
+    def __init__(self, args: GRPOArgs, server_urls: list[str], problems: list[Problem]):
+        if not server_urls:
+            raise cli.UserError("--servers: the actor needs at least one server URL")
+        self.args = args
+        self.servers = [ServerState(url.rstrip("/")) for url in server_urls]
+        self.problems = problems
+        self.lookahead = args.steps_ahead if args.mode == "pipeline" else args.sync_steps
+        self.retries = 0
+        self._changed: asyncio.Condition | None = None
+        self._verifier: concurrent.futures.Executor | None = None
+
+    def weight_version(self) -> int:
+        live = [s.version for s in self.servers if s.live()] or [s.version for s in self.servers]
+        return min(live)
+
+    async def run(self, first_group: int = 0) -> None:
+        """Generate groups first_group .. steps * groups_per_step - 1 and write them to the stream."""
+        self._changed = asyncio.Condition()
+        self._verifier = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        writer = open_writer(self.args.stream_url())
+        timeout = aiohttp.ClientTimeout(total=self.args.request_timeout_s)
+        connector = aiohttp.TCPConnector(limit=0)  # the per-server bound is ours: max_in_flight
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+            watchers = {asyncio.create_task(self._watch_server(session, server)) for server in self.servers}
+            pending: set[asyncio.Task] = set()
+            try:
+                for k in range(first_group, self.args.steps * self.args.groups_per_step()):
+                    await self._wait_for_room(k)
+                    pending.add(asyncio.create_task(self._group(session, writer, self.problems[k % len(self.problems)])))
+                    pending = await _reap(pending)
+                while pending:
+                    pending = await _reap(pending, wait=True)
+            finally:
+                for task in pending | watchers:
+                    task.cancel()
+                await asyncio.gather(*pending, *watchers, return_exceptions=True)
+                writer.close()
+                self._verifier.shutdown(cancel_futures=True)
+
+    async def _wait_for_room(self, group_index: int) -> None:
+        async with self._changed:
+            await self._changed.wait_for(
+                lambda: group_index < (self.weight_version() + self.lookahead) * self.args.groups_per_step())
+
+    async def _group(self, session, writer, problem: Problem) -> None:
+        prompt_ids, choices = await self._complete(session, problem)
+        texts = [choice["text"] for choice in choices]
+        completions = [self.args.answer_prefix + t for t in texts]
+        rewards = [integer_reward(c, problem.answer) for c in completions]
+        if None in rewards:  # math_verify's timeout is a SIGALRM: it needs a main thread, hence a process
+            rewards = await asyncio.get_running_loop().run_in_executor(self._verifier, _score, completions, problem.answer)
+        writer.write({
+            "problem_id": problem.id, "answer": problem.answer, "prompt_ids": prompt_ids,
+            "attempts": [
+                {"completion_ids": choice["token_ids"], "logprobs": choice["logprobs"]["token_logprobs"]
+                 if "token_logprobs" in choice["logprobs"] else [c["logprob"] for c in choice["logprobs"]["content"]],
+                 "versions": choice["model_versions"], "finish_reason": choice["finish_reason"],
+                 "text": text, "reward": reward}
+                for choice, text, reward in zip(choices, texts, rewards)
+            ],
+        })
+
+    async def _complete(self, session, problem: Problem) -> tuple[list[int], list[dict]]:
+        """All attempts at a problem in one request: (prompt token ids, the choices); sent again to
+        another server when one fails."""
+        sampling = {"max_tokens": self.args.max_tokens, "temperature": self.args.temperature, "n": self.args.group_size}
+        if self.args.chat:
+            endpoint, payload = "/v1/chat/completions", {"messages": [{"role": "user", "content": problem.prompt}], **sampling}
+        else:
+            endpoint, payload = "/v1/completions", {"prompt": problem.prompt, **sampling}
+        for attempt in range(MAX_ATTEMPTS_PER_REQUEST):
+            server = await self._acquire_server()
+            try:
+                async with session.post(server.url + endpoint, json=payload) as response:
+                    if response.status < 500:
+                        body = await response.json()
+                        if response.status != 200:  # our request is wrong: retrying cannot help
+                            raise ActorError(f"{server.url}{endpoint} refused the request: {body.get('error', body)}")
+                        choices = body["choices"]
+                        server.version = max([server.version] + [c["model_versions"][-1] for c in choices])
+                        return body["prompt_token_ids"], choices
+                    reason = f"HTTP {response.status}"
+            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as error:
+                reason = repr(error)
+            finally:
+                await self._release_server(server)
+            server.down_until = time.monotonic() + RETRY_AFTER_S
+            self.retries += 1
+            log.warning("request to %s failed (%s): retrying elsewhere (%d)", server.url, reason, attempt + 1)
+        raise ActorError(f"a completion failed {MAX_ATTEMPTS_PER_REQUEST} times; last error: {reason}")
+
+    async def _acquire_server(self) -> ServerState:
+        async with self._changed:
+            while True:
+                free = [s for s in self.servers if s.live() and s.in_flight < self.args.max_in_flight]
+                if free:
+                    server = min(free, key=lambda s: s.in_flight)
+                    server.in_flight += 1
+                    return server
+                try:  # a slot frees up, or a server comes back (its watcher notifies)
+                    await asyncio.wait_for(self._changed.wait(), timeout=RETRY_AFTER_S)
+                except asyncio.TimeoutError:
+                    pass
+
+    async def _release_server(self, server: ServerState) -> None:
+        async with self._changed:
+            server.in_flight -= 1
+            self._changed.notify_all()
+
+    async def _watch_server(self, session, server: ServerState) -> None:
+        """Follow a server's weight version (long-polling /health) and whether it answers."""
+        timeout = aiohttp.ClientTimeout(total=HEALTH_WAIT_S + 5)
+        while True:
+            url = f"{server.url}/health?wait_for_version={server.version + 1}&timeout_s={HEALTH_WAIT_S}"
+            try:
+                async with session.get(url, timeout=timeout) as response:
+                    health = await response.json()
+                if not server.live():
+                    log.info("server %s is back", server.url)
+                server.version, server.down_until = max(server.version, health["model_version"]), 0.0
+            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, ValueError):
+                server.down_until = max(server.down_until, time.monotonic() + RETRY_AFTER_S)
+                await asyncio.sleep(RETRY_AFTER_S / 4)
+            async with self._changed:
+                self._changed.notify_all()
+
+
+def _score(completions: list[str], answer: str) -> list[float]:
+    return [math_reward(c, answer) for c in completions]
+
+
+async def _reap(pending: set[asyncio.Task], wait: bool = False) -> set[asyncio.Task]:
+    """Drop finished group tasks, raising the first failure."""
+    if wait:
+        await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+    for task in [t for t in pending if t.done()]:
+        task.result()
+        pending.discard(task)
+    return pending
+
+
+def run(args: GRPOArgs, server_urls: list[str], first_group: int = 0) -> None:
+    """Run the actor until its last group is written, or until SIGTERM/SIGINT (then stop cleanly)."""
+
+    async def main():
+        task = asyncio.current_task()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(sig, task.cancel)
+        actor = Actor(args, server_urls, load_task_problems(args))
+        try:
+            await actor.run(first_group)
+        except asyncio.CancelledError:
+            log.info("actor stopped")
+
+    asyncio.run(main())
+
+
+@cli.main_with_user_errors
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s actor %(message)s")
+    args = cli.parse(GRPOArgs, get_preset, "tiny")
+    args.check()
+    run(args, args.servers)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""The arguments of a GRPO run (shared by launch, trainer and actor) and its `--task` presets."""
+
+import copy
+import random
+from dataclasses import dataclass, field
+from typing import Literal
+
+from lm_human_preference_details.cli import UserError
+from lm_human_preference_details.optim import OptimizerName
+from lm_human_preference_details.tracking import RunArgs
+
+Mode = Literal["pipeline", "sync"]
+
+
+@dataclass
+class GRPOArgs(RunArgs):
+    """GRPO with verifiable rewards, trained the PipelineRL way (in-flight weight updates)."""
+
+    output_dir: str = "runs/grpo"
+    """metrics.jsonl, samples.jsonl, the stream, process logs, checkpoints"""
+    mode: Mode = "pipeline"
+    """`pipeline`: weights pushed to the servers after every optimizer step while they generate;
+    `sync`: the conventional schedule, generate `sync_steps` steps of data with frozen weights, then train"""
+    sync_steps: int = 4
+    """`sync` mode: optimizer steps per generation round (G)"""
+    steps_ahead: int = 3
+    """`pipeline` mode: the actor starts groups for at most this many optimizer steps beyond the
+    servers' weights (bounds the lag: mean lag about steps_ahead - 1.2 on `tiny`; 1 leaves the
+    servers idle while the trainer steps)"""
+
+    # problems and model
+    model: str = "tiny-math"
+    """model name or folder, for the servers and the trainer alike"""
+    problems: str = "tiny-sums"
+    """`tiny-sums` (a+b, digits 0-4, for `tiny-math`), `arith` (2-digit arithmetic), `gsm8k`,
+    `math500`, or a local JSON/JSONL file (GSM8K, MATH-500, Open-Reasoner-Zero or prompt/answer records)"""
+    num_problems: int = 0
+    """use the first N problems (0: all)"""
+    answer_prefix: str = ""
+    """text the prompt ends with that belongs to the answer (e.g. `\\boxed{`): prepended to the
+    completion before it is scored"""
+    chat: bool = False
+    """send prompts as a user message through the model's chat template (/v1/chat/completions)"""
+
+    # sampling
+    group_size: int = 8
+    """attempts per problem (the group whose mean reward is the baseline)"""
+    max_tokens: int = 8
+    """completion length limit (sequences also stop at EOS)"""
+    temperature: float = 1.0
+    """sampling temperature; the trainer's logprobs use the same one"""
+
+    # optimisation
+    steps: int = 60
+    """optimizer steps"""
+    batch_size: int = 64
+    """samples (completions) per optimizer step; a multiple of group_size"""
+    lr: float = 1e-3
+    """learning rate (constant)"""
+    optimizer: OptimizerName = "adam_torch"
+    """`adam_tf` (TF1 epsilon placement, as in stages 1-2) or `adam_torch`"""
+    adam_eps: float = 1e-8
+    """Adam epsilon"""
+    grad_clip: float = 0.3
+    """max global gradient norm (PipelineRL: 0.3)"""
+    loss_type: Literal["reinforce", "ppo_clip"] = "reinforce"
+    """`reinforce`: importance ratio pi/mu capped above (PipelineRL); `ppo_clip`: PPO's clipped ratio"""
+    ratio_cap: float = 5.0
+    """upper cap of the importance ratio for `reinforce` (PipelineRL paper: 5)"""
+    clip_eps: float = 0.2
+    """PPO clip range for `ppo_clip`"""
+    baseline: Literal["mean", "leave_one_out"] = "mean"
+    """group baseline: the group mean, or the mean of the other attempts"""
+    divide_by_std: bool = False
+    """divide advantages by the group's reward std (GRPO paper; PipelineRL: off)"""
+    kl_coef: float = 0.0
+    """k3 KL penalty to the initial policy (0: no reference model)"""
+    token_budget: int = 4096
+    """tokens (rows x padded length) per forward/backward micro-batch"""
+    save_interval: int = 20
+    """checkpoint every N optimizer steps (0: never); `--resume` continues from the last one"""
+    resume: bool = False
+    """continue from the last checkpoint in output_dir"""
+
+    # processes
+    num_servers: int = 1
+    """inference servers to start (each a process)"""
+    servers: list[str] = field(default_factory=list)
+    """URLs of servers already running (then launch starts none)"""
+    server_batch_size: int = 64
+    """sequences each server decodes together"""
+    max_in_flight: int = 32
+    """requests (one per problem, `group_size` attempts each) the actor keeps in flight per server:
+    more sequences than the server's batch, so a finished slot is refilled from its queue at once"""
+    stream: str = ""
+    """where samples go: empty = `<output_dir>/stream.jsonl`, or `redis://HOST:PORT/DB?stream=NAME`"""
+    threads: int = 1
+    """torch CPU threads per process (server, trainer)"""
+    request_timeout_s: float = 300.0
+    """a completion request taking longer is retried on another server"""
+
+    def stream_url(self) -> str:
+        import os
+
+        return self.stream or os.path.join(self.output_dir, "stream.jsonl")
+
+    def groups_per_step(self) -> int:
+        return self.batch_size // self.group_size
+
+    def check(self) -> None:
+        """Sizes that must fit together; a UserError names the field and the fix."""
+        if self.group_size < 2:
+            raise UserError(f"--group-size {self.group_size}: a group needs at least 2 attempts")
+        if self.batch_size % self.group_size:
+            raise UserError(f"--batch-size {self.batch_size} must be a multiple of --group-size {self.group_size}")
+        for name in ("steps", "sync_steps", "steps_ahead", "num_servers", "server_batch_size", "max_in_flight", "max_tokens", "threads"):
+            if getattr(self, name) < 1:
+                raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.temperature <= 0:
+            raise UserError(f"--temperature must be > 0 (sampling), got {self.temperature}")
+
+
+PRESETS: dict[str, GRPOArgs] = {
+    # learns in a minute on a CPU: the format-taught tiny model, sums of two digits 0-4 (25 problems)
+    "tiny": GRPOArgs(preset="tiny", model="tiny-math", problems="tiny-sums", answer_prefix="\\boxed{",
+                     group_size=8, batch_size=64, max_tokens=6, steps=100, lr=5e-4),
+    # a real pretrained LM (SmolLM2-135M-Instruct, offline) on 2-digit arithmetic through its chat template
+    "arith": GRPOArgs(preset="arith", model="smollm2-135m", problems="arith", chat=True, group_size=8,
+                      batch_size=32, max_tokens=128, steps=40, lr=1e-6, num_problems=512, token_budget=8192,
+                      max_in_flight=8, server_batch_size=32),
+}
+
+
+def get_preset(name: str) -> GRPOArgs:
+    if name not in PRESETS:
+        raise UserError(f"--task {name!r} is unknown; choose one of {', '.join(PRESETS)}")
+    return copy.deepcopy(PRESETS[name])
+
+
+def tiny_sums() -> list:
+    """All 25 sums a+b of digits 0-4 in the `tiny-math` model's format (answers 0-8)."""
+    from lm_human_preference_details.assets import tiny_math_prompt
+    from lm_human_preference_details.grpo.rewards import Problem
+
+    return [Problem(prompt=tiny_math_prompt(a, b), answer=str(a + b), id=f"sum-{a}-{b}") for a in range(5) for b in range(5)]
+
+
+def load_task_problems(args: GRPOArgs) -> list:
+    """The run's problems in a seeded order (the actor cycles through them)."""
+    from lm_human_preference_details.grpo import rewards
+
+    if args.problems == "tiny-sums":
+        problems = tiny_sums()
+    elif args.problems == "arith":
+        problems = rewards.arithmetic_problems(count=args.num_problems or 1000, seed=args.seed, digits=2)
+    else:
+        problems = rewards.load_problems(args.problems, limit=args.num_problems or None)
+    if args.num_problems:
+        problems = problems[: args.num_problems]
+    if not problems:
+        raise UserError(f"--problems {args.problems}: no problems")
+    random.Random(args.seed).shuffle(problems)
+    return problems

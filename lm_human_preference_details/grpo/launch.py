@@ -1,0 +1,183 @@
+"""One command for a GRPO run: inference servers, actor and trainer, each a process.
+
+    python -m lm_human_preference_details.grpo.launch --task tiny --mode pipeline --output-dir runs/grpo-tiny
+    python -m lm_human_preference_details.grpo.launch --task tiny --mode sync --sync-steps 4 --output-dir runs/grpo-tiny-sync
+
+The run ends when the trainer has taken `--steps` optimizer steps. Every process it started is
+stopped when the run ends, when it fails, on Ctrl-C or SIGTERM, and (through a watchdog in each
+child) when the launcher itself is killed. A server that dies is tolerated while another serves;
+the actor retries its requests elsewhere. `--resume` continues from the last checkpoint.
+
+Files in `--output-dir`: metrics.jsonl (one line per optimizer step), samples.jsonl, stream.jsonl
+(the samples the actor wrote), servers.json (each server's /metrics at the end), logs/.
+"""
+
+import json
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from lm_human_preference_details import cli
+from lm_human_preference_details.grpo import actor, trainer
+from lm_human_preference_details.grpo.config import GRPOArgs, get_preset
+from lm_human_preference_details.grpo.server import ServerError, request_json
+
+log = logging.getLogger(__name__)
+
+SERVER_START_TIMEOUT_S = 600
+
+
+def exit_with_parent() -> None:
+    """End this process when its parent dies (a killed launcher must not leave servers behind)."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _role(name: str, args: GRPOArgs, server_urls: list[str], first_group: int) -> None:
+    exit_with_parent()
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the launcher decides
+    if name == "trainer":
+        trainer.train(args, server_urls)
+    else:
+        actor.run(args, server_urls, first_group)
+
+
+class Run:
+    """The processes of one run; `stop` ends them all (SIGTERM, then SIGKILL after a grace period)."""
+
+    def __init__(self, args: GRPOArgs):
+        self.args = args
+        self.servers: list[subprocess.Popen] = []
+        self.server_urls: list[str] = list(args.servers)
+        self.roles: dict[str, multiprocessing.Process] = {}
+        self.logs = os.path.join(args.output_dir, "logs")
+        os.makedirs(self.logs, exist_ok=True)
+
+    def start_servers(self, model: str, version: int) -> None:
+        for i in range(self.args.num_servers):
+            port = _free_port()
+            log_file = open(os.path.join(self.logs, f"server-{i}.log"), "ab")
+            self.servers.append(subprocess.Popen([
+                sys.executable, "-m", "lm_human_preference_details.grpo.server", "--model", model,
+                "--port", str(port), "--threads", str(self.args.threads), "--seed", str(self.args.seed + i),
+                "--max-batch-size", str(self.args.server_batch_size), "--version", str(version), "--exit-with-parent",
+            ], stdout=log_file, stderr=subprocess.STDOUT))
+            self.server_urls.append(f"http://127.0.0.1:{port}")
+        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+        for i, (process, url) in enumerate(zip(self.servers, self.server_urls)):
+            while True:
+                if process.poll() is not None:
+                    raise RuntimeError(f"server {i} exited with status {process.returncode}; see {self.logs}/server-{i}.log")
+                try:
+                    request_json("GET", f"{url}/health", timeout_s=2)
+                    break
+                except ServerError:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"server {i} did not answer within {SERVER_START_TIMEOUT_S} s") from None
+                    time.sleep(0.2)
+        log.info("servers up: %s", " ".join(self.server_urls))
+
+    def start_roles(self, first_group: int) -> None:
+        context = multiprocessing.get_context("spawn")
+        for name in ("trainer", "actor"):
+            self.roles[name] = context.Process(target=_role, name=name, args=(name, self.args, self.server_urls, first_group))
+            self.roles[name].start()
+
+    def wait(self) -> None:
+        """Until the trainer is done; raises if the trainer or the actor fails or every server is gone."""
+        while True:
+            trainer_process, actor_process = self.roles["trainer"], self.roles["actor"]
+            if trainer_process.exitcode is not None:
+                if trainer_process.exitcode != 0:
+                    raise RuntimeError(f"the trainer exited with status {trainer_process.exitcode}")
+                return
+            if actor_process.exitcode not in (None, 0):
+                raise RuntimeError(f"the actor exited with status {actor_process.exitcode}")
+            if self.servers and all(p.poll() is not None for p in self.servers):
+                raise RuntimeError(f"every server has exited; see {self.logs}")
+            time.sleep(0.2)
+
+    def save_server_metrics(self) -> None:
+        metrics = {}
+        for url in self.server_urls:
+            try:
+                metrics[url] = request_json("GET", f"{url}/metrics", timeout_s=5)
+            except ServerError as error:
+                metrics[url] = {"error": str(error)}
+        with open(os.path.join(self.args.output_dir, "servers.json"), "w") as f:
+            json.dump(metrics, f, indent=2)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        processes = [p for p in self.roles.values() if p.is_alive()]
+        for process in processes:
+            process.terminate()
+        for server in self.servers:
+            if server.poll() is None:
+                server.terminate()
+        deadline = time.monotonic() + grace_s
+        for process in processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+                process.join()
+        for server in self.servers:
+            try:
+                server.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+
+
+def launch(args: GRPOArgs) -> None:
+    """Start everything, run to the last step, stop everything (also on failure or a signal)."""
+    args.check()
+    os.makedirs(args.output_dir, exist_ok=True)
+    version = trainer.checkpoint_state(args.output_dir)["version"] if args.resume else 0
+    model = trainer.checkpoint_model(args.output_dir) if args.resume else args.model
+    run = Run(args)
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops the children
+    try:
+        if not args.servers:
+            run.start_servers(model, version)
+        run.start_roles(first_group=version * args.groups_per_step())
+        run.wait()
+        run.save_server_metrics()
+    finally:
+        run.stop()
+        signal.signal(signal.SIGTERM, previous)
+
+
+@cli.main_with_user_errors
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s launch %(message)s")
+    args = cli.parse(GRPOArgs, get_preset, "tiny")
+    try:
+        launch(args)
+    except RuntimeError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,223 @@
+"""Verifiable rewards and the problems they score.
+
+The math reward follows PipelineRL: the content of the last `\\boxed{...}` of a completion is checked
+against the ground truth with `math_verify`; 1.0 when they are equal, 0.0 otherwise.
+Problems come from offline generators (arithmetic) or from GSM8K, MATH-500 and Open-Reasoner-Zero
+data, on the hub or in local JSON / JSON-lines files.
+"""
+
+import itertools
+import json
+import operator
+import os
+import random
+import re
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import math_verify
+
+from lm_human_preference_details.cli import UserError
+
+BOXED_INSTRUCTION = " Please reason step by step, and put your final answer within \\boxed{}."
+"""Appended to every GSM8K, MATH-500 and Open-Reasoner-Zero question (the prompt of DeepSeek-R1 and PipelineRL)."""
+
+VERIFY_TIMEOUT_S = 5
+"""math_verify's limit on each parse and each comparison, applied only on the main thread (see math_reward)."""
+
+HUB_DATASETS = {"gsm8k": ("openai/gsm8k", "main"), "math500": ("HuggingFaceH4/MATH-500", None)}
+ORZ_DATA_URL = "https://github.com/Open-Reasoner-Zero/Open-Reasoner-Zero/tree/main/data"
+ORZ_ITEM = '[{"from": "human", "value": QUESTION}, {"from": "assistant", "ground_truth": {"value": ANSWER}}]'
+FORMATS = "GSM8K, MATH-500, Open-Reasoner-Zero or prompt/answer records"
+
+_BOX_START = re.compile(r"\\(?:boxed|fbox)\{")
+_OPERATORS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+INTEGER = re.compile(r"-?[0-9]+")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One task for the policy: the prompt it reads and the ground truth its boxed answer is checked against."""
+
+    prompt: str
+    answer: str  # the ground truth, e.g. "42" or "\\frac{1}{2}"
+    id: str
+
+
+# ----------------------------------------------------------------------------- rewards
+def last_boxed(text: str) -> str | None:
+    """The content of the last `\\boxed{...}` (or `\\fbox{...}`) in `text`, nested braces included.
+
+    None when there is no box, or when the last one is never closed (a truncated completion does not get
+    credit for an earlier box). Escaped braces `\\{ \\}` (LaTeX sets) do not count as nesting.
+    """
+    starts = list(_BOX_START.finditer(text))
+    if not starts:
+        return None
+    begin = starts[-1].end()
+    depth, i = 1, begin
+    while i < len(text):
+        if text[i] == "\\":
+            i += 2  # skip the escaped character, so `\{` and `\}` leave the depth alone
+            continue
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[begin:i]
+        i += 1
+    return None
+
+
+def math_reward(completion: str, answer: str) -> float:
+    """1.0 when the last `\\boxed{}` of `completion` equals `answer` by math_verify, else 0.0. Never raises.
+
+    Both sides are parsed in `\\boxed{...}` form: as bare strings math_verify's LaTeX extractor finds
+    nothing in `\\frac12` or `\\dfrac{1}{2}`, and `1{,}000` reads as 1.
+
+    math_verify bounds each parse and comparison with `signal.alarm`, which works only on the main thread:
+    elsewhere it raises ValueError("signal only works in main thread ..."), so the timeout is passed as
+    None there. Without it a pathological answer such as `9^{9^{9^{9}}}` makes sympy compare forever; to
+    bound it from an asyncio loop or worker threads, run math_reward in a ProcessPoolExecutor, whose
+    workers call it on their own main thread where the timeout works (PipelineRL's verifier does this).
+    """
+    quick = integer_reward(completion, answer)
+    if quick is not None:
+        return quick
+    boxed = last_boxed(completion)
+    timeout = VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    try:
+        gold = math_verify.parse(f"\\boxed{{{answer}}}", parsing_timeout=timeout)
+        pred = math_verify.parse(f"\\boxed{{{boxed}}}", parsing_timeout=timeout)
+        return float(math_verify.verify(gold, pred, timeout_seconds=timeout))
+    except Exception:  # sympy and the LaTeX parser raise many kinds; any of them means "not verified"
+        return 0.0
+
+
+def integer_reward(completion: str, answer: str) -> float | None:
+    """`math_reward` without math_verify where that is certain: no box (0.0), or a box and an answer
+    that are both plain integers (compared as integers, as math_verify would, without 0.5 ms of sympy
+    and without a process to bound it). None when math_verify must decide."""
+    boxed = last_boxed(completion)
+    if boxed is None:
+        return 0.0
+    if INTEGER.fullmatch(boxed.strip()) and INTEGER.fullmatch(answer.strip()):
+        return float(int(boxed) == int(answer))
+    return None
+
+
+# ----------------------------------------------------------------------------- problems
+def arithmetic_problems(
+    count: int,
+    seed: int,
+    digits: int = 2,
+    operators: str = "+-*",
+    template: str = "What is {expression}? Put the final answer in \\boxed{{}}.",
+) -> list[Problem]:
+    """`count` problems `a<op>b` with operands of exactly `digits` digits (0-9 for one digit), the same for a seed."""
+    if digits < 1:
+        raise UserError(f"digits={digits}: must be at least 1")
+    if not operators or set(operators) - set(_OPERATORS):
+        raise UserError(f"operators={operators!r}: use one or more of {''.join(_OPERATORS)} (answers must be integers)")
+    low, high = (0 if digits == 1 else 10 ** (digits - 1)), 10**digits - 1
+    rng = random.Random(seed)
+    problems = []
+    for i in range(count):
+        a, op, b = rng.randint(low, high), rng.choice(operators), rng.randint(low, high)
+        expression = f"{a}{op}{b}"
+        problems.append(Problem(prompt=template.format(expression=expression), answer=str(_OPERATORS[op](a, b)), id=f"arith-{seed}-{i}"))
+    return problems
+
+
+def load_problems(source: str, split: str = "test", limit: int | None = None) -> list[Problem]:
+    """Problems from `gsm8k` or `math500` on the hub (`split`), or from a local JSON / JSON-lines file.
+
+    A file holds a list of records (or one per line) in any of these formats, told apart by their fields:
+    GSM8K `{question, answer: "... #### 42"}`, MATH-500 `{problem, answer}`, Open-Reasoner-Zero
+    `[{from: human, value}, {from: assistant, ground_truth: {value}}]`, or `{prompt, answer}` whose
+    prompt is used as is. The others get BOXED_INSTRUCTION after the question. A record's `id` is kept,
+    else the id is `<file stem>-<index>` (`<source>-<split>-<index>` on the hub). `split` applies to the hub only;
+    Open-Reasoner-Zero is not on the hub under a fixed name, so `orz` only says where to download it.
+    """
+    if os.path.isfile(source):
+        records, where = _read_records(source), f"problems file {source}"
+        prefix = os.path.splitext(os.path.basename(source))[0]
+    elif source in HUB_DATASETS:
+        records, where, prefix = _hub_records(source, split), source, f"{source}-{split}"
+    elif source == "orz":
+        raise UserError(f"source=orz: Open-Reasoner-Zero data is not on the hub; download a JSON file from {ORZ_DATA_URL} and pass its path")
+    else:
+        raise UserError(f"source={source!r}: no such file; choose {' or '.join(HUB_DATASETS)}, or the path of a .json/.jsonl file of {FORMATS}")
+    return [_problem(record, f"{where} record {i}", f"{prefix}-{i}") for i, record in enumerate(itertools.islice(records, limit))]
+
+
+def _read_records(path: str) -> list:
+    """The records of a `.jsonl` file, or of a JSON list (or JSON lines: `datasets.Dataset.to_json` writes them even to `.json`)."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if not path.endswith(".jsonl"):
+        try:
+            records = json.loads(text)
+        except json.JSONDecodeError:
+            pass
+        else:
+            if not isinstance(records, list):
+                raise UserError(f"problems file {path}: expected a JSON list of {FORMATS}, or one record per line")
+            return records
+    records = []
+    for n, line in enumerate(text.splitlines(), 1):
+        try:
+            records += [json.loads(line)] if line.strip() else []
+        except json.JSONDecodeError as e:
+            raise UserError(f"problems file {path}: neither a JSON list nor JSON lines (line {n}: {e})") from e
+    return records
+
+
+def _hub_records(name: str, split: str) -> Iterable[dict]:
+    """The rows of a hub dataset, as dicts."""
+    import datasets
+
+    path, config = HUB_DATASETS[name]
+    try:
+        return datasets.load_dataset(path, config, split=split)
+    except Exception as e:  # offline, unknown split, hub errors: all mean the same to the user
+        raise UserError(f"source={name}: cannot load {path} split {split!r} from the hub ({e}); pass a local .json/.jsonl file instead") from e
+
+
+def _problem(record, where: str, default_id: str) -> Problem:
+    """One record in any of the accepted formats; `where` names it in errors."""
+    if isinstance(record, list):  # Open-Reasoner-Zero: [human turn, assistant turn with the ground truth]
+        question = _orz_field(record, (0, "value"), where)
+        answer = _orz_field(record, (1, "ground_truth", "value"), where)
+        return Problem(question.strip() + BOXED_INSTRUCTION, answer, default_id)
+    if not isinstance(record, dict):
+        raise UserError(f"{where}: expected an object or an Open-Reasoner-Zero list ({FORMATS}), got {type(record).__name__}")
+    problem_id = str(record.get("id", default_id))
+    if "answer" not in record:
+        raise UserError(f"{where}: no field 'answer' (expected {FORMATS})")
+    answer = _text(record["answer"], "answer", where)
+    if "prompt" in record:
+        return Problem(_text(record["prompt"], "prompt", where), answer, problem_id)
+    if "question" in record:  # GSM8K: the gold number follows the last #### (when there is one), with thousands commas
+        return Problem(_text(record["question"], "question", where).strip() + BOXED_INSTRUCTION, answer.split("####")[-1].replace(",", "").strip(), problem_id)
+    if "problem" in record:
+        return Problem(_text(record["problem"], "problem", where).strip() + BOXED_INSTRUCTION, answer, problem_id)
+    raise UserError(f"{where}: no field 'question', 'problem' or 'prompt' (expected {FORMATS})")
+
+
+def _orz_field(item: list, path: tuple, where: str) -> str:
+    """`item[0]["value"]` for path (0, "value"), with an error naming the path when it is missing."""
+    name = f"[{path[0]}]." + ".".join(path[1:])
+    value = item
+    for key in path:
+        try:
+            value = value[key]
+        except (IndexError, KeyError, TypeError):
+            raise UserError(f"{where}: no field {name!r} (an Open-Reasoner-Zero item is {ORZ_ITEM})") from None
+    return _text(value, name, where)
+
+
+def _text(value, field: str, where: str) -> str:
+    """A field that must be a non-empty string; numbers (JSON answers like 42) become strings."""
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)) or not str(value).strip():
+        raise UserError(f"{where}: field {field!r} must be a non-empty string, got {value!r}")
+    return str(value)

@@ -1,0 +1,357 @@
+"""Inference server: OpenAI-style completions from the engine, plus the weight-update contract.
+
+    python -m lm_human_preference_details.grpo.server --model tiny-math --port 8000
+
+Endpoints (docs/DESIGN.md, "The GRPO pipeline contract"):
+- `POST /v1/completions` {prompt: str | [token ids], max_tokens, temperature, n, stop_token_ids, ignore_eos}
+- `POST /v1/chat/completions` {messages: [{role, content}], ...same sampling fields}
+  Both return per choice the token ids, per-token logprobs (at the sampling temperature) and
+  `model_versions`, the weight version that sampled each token.
+- `POST /init_process_group` {init_method, rank, world_size, backend}: join the trainer's group.
+- `POST /request_weight_update` {version, parameters: [{name, shape, dtype}]}: checked against the
+  model before anything is received (a mismatch is refused with 400 and the old weights keep
+  serving); on 200 a receiver thread takes the broadcast (one per tensor) into fresh buffers while
+  decoding goes on, then the engine swaps them all in between two decode steps: decoding pauses
+  only for the copy, and sequences in flight keep their KV cache.
+- `GET /health` (`?wait_for_version=N` long-polls until version N serves), `GET /metrics` (JSON counters: tokens, requests, updates, pause per update),
+  `GET /weights_digest` (SHA-256 of each parameter: is this exactly the trainer's model?).
+Malformed requests get a 4xx with the reason; the server stays up.
+"""
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+import os
+import time
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import tyro
+from aiohttp import web
+
+from lm_human_preference_details.grpo.engine import Engine, GenerationRequest
+
+log = logging.getLogger(__name__)
+
+MAX_CHOICES = 64
+
+
+class ServerError(RuntimeError):
+    """A request to a server failed: `status` is the HTTP status, None when it could not be reached."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+def request_json(method: str, url: str, payload: dict | None = None, timeout_s: float = 60) -> dict:
+    """A blocking JSON request to a server (the trainer's and the launcher's side of the contract)."""
+    data = None if payload is None else json.dumps(payload).encode()
+    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        raise ServerError(f"{method} {url}: {error.code} {error.read().decode(errors='replace')}", error.code) from None
+    except (urllib.error.URLError, ConnectionError, TimeoutError) as error:
+        raise ServerError(f"{method} {url}: {error}") from None
+
+
+class BadRequest(ValueError):
+    pass
+
+
+def _field(body: dict, name: str, kind: type, default, check=lambda v: True, need: str = ""):
+    value = body.get(name, default)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool or not check(value):
+        raise BadRequest(f"field {name!r}: expected {need or kind.__name__}, got {value!r}")
+    return value
+
+
+class InferenceServer:
+    def __init__(self, model: torch.nn.Module, tokenizer, engine: Engine, model_name: str):
+        from lm_human_preference_details.grpo.weights import DTYPE_NAMES, parameter_specs
+
+        self.model, self.tokenizer, self.engine, self.model_name = model, tokenizer, engine, model_name
+        self.specs = parameter_specs(model)
+        self.dtype = DTYPE_NAMES[next(model.parameters()).dtype]
+        self.weight_group = None
+        self.announced_version = 0
+        self.receiver = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weights")
+        self.requests = 0
+        self.last_pause_s = 0.0
+        self.started = time.time()
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[_errors_as_json], client_max_size=64 * 2**20)
+        app.on_startup.append(self._on_startup)
+        app.add_routes([
+            web.post("/v1/completions", self.completions),
+            web.post("/v1/chat/completions", self.chat_completions),
+            web.post("/init_process_group", self.init_process_group),
+            web.post("/request_weight_update", self.request_weight_update),
+            web.get("/health", self.health),
+            web.get("/metrics", self.metrics),
+            web.get("/weights_digest", self.weights_digest),
+        ])
+        app.on_cleanup.append(lambda _: asyncio.get_running_loop().run_in_executor(None, self.engine.stop))
+        return app
+
+    async def _on_startup(self, app) -> None:
+        self.version_changed = asyncio.Condition()  # made on the serving loop
+
+    async def completions(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        prompt = body.get("prompt")
+        if isinstance(prompt, str) and prompt:
+            prompt_ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            prompt_ids = prompt
+        else:
+            raise BadRequest("field 'prompt': expected a non-empty string or a non-empty list of token ids")
+        choices = await self._generate(prompt_ids, body)
+        return web.json_response(self._response("text_completion", prompt_ids, [
+            {"index": i, "text": self._text(g.token_ids), "token_ids": g.token_ids,
+             "logprobs": {"tokens": self._pieces(g.token_ids), "token_logprobs": g.logprobs},
+             "model_versions": g.versions, "finish_reason": g.finish_reason}
+            for i, g in enumerate(choices)
+        ]))
+
+    async def chat_completions(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        messages = body.get("messages")
+        if not (isinstance(messages, list) and messages and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages)):
+            raise BadRequest("field 'messages': expected a non-empty list of {role, content} strings")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise BadRequest(f"model {self.model_name} has no chat template: use /v1/completions")
+        prompt_ids = list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+        choices = await self._generate(prompt_ids, body)
+        return web.json_response(self._response("chat.completion", prompt_ids, [
+            {"index": i, "message": {"role": "assistant", "content": self._text(g.token_ids)}, "token_ids": g.token_ids,
+             "logprobs": {"content": [{"token": t, "logprob": lp} for t, lp in zip(self._pieces(g.token_ids), g.logprobs)]},
+             "model_versions": g.versions, "finish_reason": g.finish_reason}
+            for i, g in enumerate(choices)
+        ]))
+
+    async def _generate(self, prompt_ids: list[int], body: dict):
+        stop = set(_field(body, "stop_token_ids", list, [], lambda v: all(isinstance(t, int) for t in v), "a list of token ids"))
+        if not _field(body, "ignore_eos", bool, False) and self.tokenizer.eos_token_id is not None:
+            stop.add(self.tokenizer.eos_token_id)
+        generation = GenerationRequest(
+            prompt_ids=prompt_ids,
+            max_new_tokens=_field(body, "max_tokens", int, 16, lambda v: v >= 1, "an integer >= 1"),
+            temperature=_field(body, "temperature", float, 1.0, lambda v: v > 0, "a number > 0 (sampling only)"),
+            stop_token_ids=frozenset(stop),
+        )
+        n = _field(body, "n", int, 1, lambda v: 1 <= v <= MAX_CHOICES, f"an integer in [1, {MAX_CHOICES}]")
+        try:
+            futures = [self.engine.submit(generation) for _ in range(n)]
+        except ValueError as error:
+            raise BadRequest(str(error)) from None
+        self.requests += 1
+        return await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+
+    def _response(self, kind: str, prompt_ids: list[int], choices: list[dict]) -> dict:
+        completion_tokens = sum(len(c["token_ids"]) for c in choices)
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()), "model": self.model_name,
+            "prompt_token_ids": prompt_ids, "choices": choices,
+            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
+                      "total_tokens": len(prompt_ids) + completion_tokens},
+        }
+
+    def _text(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _pieces(self, token_ids: list[int]) -> list[str]:
+        """Each token as its vocabulary entry (one call, not a decode per token)."""
+        return self.tokenizer.convert_ids_to_tokens(token_ids)
+
+    async def init_process_group(self, request: web.Request) -> web.Response:
+        from lm_human_preference_details.grpo.weights import WeightGroup
+
+        body = await _json_body(request)
+        init_method = _field(body, "init_method", str, None, need="a string tcp://HOST:PORT")
+        rank = _field(body, "rank", int, None, lambda v: v >= 1, "an integer >= 1 (rank 0 is the trainer)")
+        world_size = _field(body, "world_size", int, None, lambda v: v > rank, "an integer > rank")
+        backend = _field(body, "backend", str, "gloo", lambda v: v in ("gloo", "nccl"), "gloo or nccl")
+        loop = asyncio.get_running_loop()
+        try:  # blocks until the trainer joins: off the event loop
+            self.weight_group = await loop.run_in_executor(None, WeightGroup, init_method, rank, world_size, backend)
+        except (ValueError, RuntimeError) as error:
+            raise BadRequest(f"cannot join the process group: {error}") from None
+        return web.json_response({"ok": True, "rank": rank, "world_size": world_size})
+
+    async def request_weight_update(self, request: web.Request) -> web.Response:
+        from lm_human_preference_details.grpo.weights import ParameterSpec, load_tensors, mismatches, receive_tensors
+
+        body = await _json_body(request)
+        if self.weight_group is None:
+            raise web.HTTPConflict(reason="no process group: POST /init_process_group first")
+        latest = max(self.engine.version, self.announced_version)
+        version = _field(body, "version", int, None, lambda v: v > latest, f"an integer above the latest version {latest}")
+        try:
+            specs = [ParameterSpec.from_json(p) for p in _field(body, "parameters", list, None, need="a list")]
+        except (KeyError, TypeError, ValueError) as error:
+            raise BadRequest(f"field 'parameters': each entry needs name, shape and dtype ({error})") from None
+        reasons = mismatches(self.specs, specs)
+        if reasons:
+            raise BadRequest(f"update refused, the old weights keep serving: {'; '.join(reasons[:10])}"
+                             + (f" (and {len(reasons) - 10} more)" if len(reasons) > 10 else ""))
+
+        loop = asyncio.get_running_loop()
+        device = next(self.model.parameters()).device
+
+        def receive_then_swap() -> None:  # on the receiver thread: decoding goes on meanwhile
+            try:
+                tensors = receive_tensors(self.weight_group, specs, device)
+            except RuntimeError as error:
+                log.error("receiving weights version %d failed, the old weights keep serving: %s", version, error)
+                return
+
+            def apply_weights() -> int:
+                load_tensors(self.model, specs, tensors)
+                return version
+
+            pause = self.engine.schedule_update(apply_weights)
+            pause.add_done_callback(lambda done: loop.call_soon_threadsafe(self._update_done, done))
+
+        self.announced_version = version
+        self.receiver.submit(receive_then_swap)  # one thread: updates arrive and apply in order
+        return web.json_response({"accepted": True, "version": version})
+
+    def _update_done(self, pause) -> None:
+        if pause.exception() is not None:
+            log.error("weight update failed, the old weights keep serving: %s", pause.exception())
+            return
+        self.last_pause_s = pause.result()
+
+        async def announce():
+            async with self.version_changed:
+                self.version_changed.notify_all()
+
+        asyncio.ensure_future(announce())
+
+    async def health(self, request: web.Request) -> web.Response:
+        """`?wait_for_version=N&timeout_s=T` holds the answer until version N serves (or T passes):
+        an actor learns of new weights at once without polling in a tight loop."""
+        if "wait_for_version" in request.query:
+            try:
+                version, timeout = int(request.query["wait_for_version"]), float(request.query.get("timeout_s", 10))
+            except ValueError:
+                raise BadRequest("wait_for_version must be an integer and timeout_s a number") from None
+            async with self.version_changed:
+                try:
+                    await asyncio.wait_for(self.version_changed.wait_for(lambda: self.engine.version >= version), min(timeout, 60))
+                except asyncio.TimeoutError:
+                    pass
+        return web.json_response({"status": "ok", "model": self.model_name, "model_version": self.engine.version,
+                                  "dtype": self.dtype, **self.engine.load()})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        stats = self.engine.stats
+        updates = stats["updates"]
+        return web.json_response({
+            "model_version": self.engine.version, "requests": self.requests, "uptime_s": time.time() - self.started,
+            "completed_sequences": stats["completed"], "generated_tokens": stats["generated_tokens"],
+            "prefill_tokens": stats["prefill_tokens"], "weight_updates": updates,
+            "decode_batch_mean": stats["decode_rows"] / stats["decode_steps"] if stats["decode_steps"] else 0.0,
+            "pause_s_total": stats["pause_s_total"], "pause_s_last": self.last_pause_s,
+            "pause_s_mean": stats["pause_s_total"] / updates if updates else 0.0, **self.engine.load(),
+        })
+
+
+    async def weights_digest(self, request: web.Request) -> web.Response:
+        """SHA-256 of every parameter's bytes: to check that a server holds exactly the trainer's weights."""
+        from lm_human_preference_details.grpo.weights import digest
+
+        digests = await asyncio.get_running_loop().run_in_executor(None, digest, self.model)
+        return web.json_response({"model_version": self.engine.version, "digests": digests})
+
+
+async def _json_body(request: web.Request) -> dict:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise BadRequest("the body is not JSON") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    return body
+
+
+@web.middleware
+async def _errors_as_json(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except BadRequest as error:
+        return web.json_response({"error": str(error)}, status=400)
+    except web.HTTPException as error:
+        return web.json_response({"error": error.reason}, status=error.status)
+
+
+@dataclass
+class Args:
+    """An inference server for the GRPO pipeline."""
+
+    model: str = "tiny-math"
+    """model name or folder (`tiny-math`, `smollm2-135m`, a hub name or a save_pretrained folder)"""
+    host: str = "127.0.0.1"
+    """address to bind: loopback unless you mean to serve other hosts"""
+    port: int = 8000
+    """port to listen on"""
+    max_batch_size: int = 64
+    """sequences decoded together; a finished one's slot is refilled from the queue"""
+    seed: int = 0
+    """sampling seed"""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """`auto`: CUDA when there is a GPU"""
+    threads: int = 0
+    """torch CPU threads (0: torch's default)"""
+    version: int = 0
+    """weight version of the loaded model (a resumed run's checkpoint is at its step)"""
+    exit_with_parent: bool = False
+    """stop when the process that started this one dies (set by grpo.launch)"""
+
+
+def load_for_inference(name_or_path: str, device: str):
+    """Model and tokenizer: float32 on the CPU (bitwise the trainer's weights), bf16 + SDPA on a GPU."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lm_human_preference_details.assets import resolve_model_path
+
+    path = resolve_model_path(name_or_path)
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device)
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+def main() -> None:
+    args = tyro.cli(Args)
+    if args.exit_with_parent:
+        from lm_human_preference_details.grpo.launch import exit_with_parent
+
+        exit_with_parent()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s server %(message)s")
+    model, tokenizer = load_for_inference(args.model, args.device)
+    engine = Engine(model, args.max_batch_size, seed=args.seed, vocab_size=len(tokenizer))
+    engine.version = args.version
+    engine.start()
+    server = InferenceServer(model, tokenizer, engine, args.model)
+    log.info("serving %s on http://%s:%d (pid %d)", args.model, args.host, args.port, os.getpid())
+    web.run_app(server.app(), host=args.host, port=args.port, print=None, access_log=None)
+
+
+if __name__ == "__main__":
+    main()

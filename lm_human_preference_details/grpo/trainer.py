@@ -1,0 +1,228 @@
+"""The GRPO trainer: reads groups from the stream, one optimizer step per `batch_size` samples,
+then pushes the new weights into the inference servers.
+
+    for step = 1 .. steps:
+        read batch_size / group_size groups from the stream (waiting if the actor is behind;
+        sync mode waits for the whole round of `sync_steps` batches, as conventional RL does)
+        advantages: reward - group mean (option: leave-one-out, / std)
+        pack the sequences into micro-batches of at most `token_budget` tokens
+        loss: REINFORCE with the importance ratio pi/mu capped above (or PPO-clip), optional k3 KL,
+              summed over tokens and divided by the number of sequences; backward per micro-batch
+        clip the gradient norm, optimizer step, version += 1
+        pipeline: broadcast the weights to every server now; sync: every `sync_steps` steps
+        log reward, success rate, lag (trainer version - token version), throughput, entropy, ESS
+
+Run alone against servers and an actor already running:
+`python -m lm_human_preference_details.grpo.trainer --task tiny --servers http://127.0.0.1:8000 --output-dir DIR`
+"""
+
+import json
+import logging
+import os
+import shutil
+import time
+
+import torch
+
+from lm_human_preference_details import cli
+from lm_human_preference_details.grpo.config import GRPOArgs, get_preset
+from lm_human_preference_details.grpo.streams import open_reader
+from lm_human_preference_details.grpo.weights import DTYPES, WeightSender
+from lm_human_preference_details.grpo_loss import group_advantages, policy_loss
+from lm_human_preference_details.models import load_causal_lm
+from lm_human_preference_details.optim import make_optimizer
+from lm_human_preference_details.tracking import Tracker
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT = "checkpoint"
+
+
+def pack(lengths: list[int], token_budget: int) -> list[list[int]]:
+    """Indices of sequences grouped into micro-batches whose rows x padded length fit the budget
+    (longest first, so sequences of similar length share a micro-batch and little is padding).
+    A sequence longer than the budget gets a micro-batch of its own."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches: list[list[int]] = []
+    for i in order:
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= token_budget:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+def batch_tensors(samples: list[dict], indices: list[int], device) -> dict[str, torch.Tensor]:
+    """Right-padded prompt+completion ids, attention mask, and per target position (the token at
+    t+1 predicted at t): completion mask, behaviour logprobs, weight versions."""
+    rows = [samples[i] for i in indices]
+    length = max(len(s["prompt_ids"]) + len(s["completion_ids"]) for s in rows)
+    ids = torch.zeros(len(rows), length, dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    completion = torch.zeros(len(rows), length - 1)
+    behaviour = torch.zeros(len(rows), length - 1)
+    versions = torch.zeros(len(rows), length - 1, dtype=torch.long)
+    for r, s in enumerate(rows):
+        p, c = len(s["prompt_ids"]), len(s["completion_ids"])
+        ids[r, : p + c] = torch.tensor(s["prompt_ids"] + s["completion_ids"])
+        attention[r, : p + c] = 1
+        completion[r, p - 1 : p + c - 1] = 1
+        behaviour[r, p - 1 : p + c - 1] = torch.tensor(s["logprobs"])
+        versions[r, p - 1 : p + c - 1] = torch.tensor(s["versions"])
+    tensors = dict(input_ids=ids, attention_mask=attention, mask=completion, behaviour=behaviour, versions=versions)
+    return {k: v.to(device) for k, v in tensors.items()}
+
+
+def token_logprobs(model, batch: dict, temperature: float, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprobs of each next token at the sampling temperature (B, T-1) and the entropy of each
+    next-token distribution (B, T-1), logits restricted to the tokenizer's ids as the server's are."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1, :vocab_size]
+    logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    taken = logprobs.gather(2, batch["input_ids"][:, 1:, None])[..., 0]
+    entropy = -(logprobs.exp() * logprobs).sum(-1)
+    return taken, entropy.detach()
+
+
+def flatten_groups(groups: list[dict]) -> list[dict]:
+    """Stream records (one per problem: prompt and `group_size` attempts) -> one dict per sample."""
+    return [{"prompt_ids": g["prompt_ids"], "problem_id": g["problem_id"], **attempt} for g in groups for attempt in g["attempts"]]
+
+
+def train(args: GRPOArgs, server_urls: list[str]) -> None:
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads)
+    from transformers import AutoTokenizer
+
+    from lm_human_preference_details.assets import resolve_model_path
+
+    vocab_size = len(AutoTokenizer.from_pretrained(resolve_model_path(args.model)))
+    reference = load_causal_lm(args.model).requires_grad_(False) if args.kl_coef else None
+    state = checkpoint_state(args.output_dir) if args.resume else {"version": 0, "stream_position": 0}
+    model = load_causal_lm(checkpoint_model(args.output_dir) if args.resume else args.model)
+    optimizer = make_optimizer(args.optimizer, model.parameters(), lr=args.lr, eps=args.adam_eps)
+    if args.resume:
+        optimizer.load_state_dict(torch.load(os.path.join(args.output_dir, CHECKPOINT, "optimizer.pt")))
+    version, stream_position = state["version"], state["stream_position"]
+    tracker = Tracker(args.output_dir, args, enabled=True, wandb_mode=args.wandb_mode, project=args.wandb_project,
+                      run_name=args.run_name_for(f"grpo_{args.mode}"), resume_after_step=version if args.resume else None)
+    sender = WeightSender(server_urls, backend="nccl" if torch.cuda.is_available() else "gloo")
+    server_dtype = DTYPES["bfloat16"] if torch.cuda.is_available() else None
+    reader = open_reader(args.stream_url(), start=stream_position)
+    push_every = 1 if args.mode == "pipeline" else args.sync_steps
+    started = last_step_end = None
+
+    # sync: the conventional schedule trains only once the whole round is generated
+    steps_per_read = 1 if args.mode == "pipeline" else args.sync_steps
+    buffered: list[dict] = []
+    while version < args.steps:
+        wait_start = time.perf_counter()
+        if not buffered:
+            wanted = min(steps_per_read, args.steps - version) * args.groups_per_step()
+            while len(buffered) < wanted:
+                buffered += reader.read(wanted - len(buffered), timeout_s=1.0)
+        groups, buffered = buffered[: args.groups_per_step()], buffered[args.groups_per_step() :]
+        step_start = time.perf_counter()
+        started = started or wait_start
+        samples = flatten_groups(groups)
+
+        rewards = torch.tensor([s["reward"] for s in samples])
+        advantages = group_advantages(rewards, args.group_size, args.baseline, args.divide_by_std)
+        stats_sum: dict[str, float] = {}
+        entropy_sum = tokens = 0.0
+        for indices in pack([len(s["prompt_ids"]) + len(s["completion_ids"]) for s in samples], args.token_budget):
+            batch = batch_tensors(samples, indices, model.device)
+            new_logprobs, entropy = token_logprobs(model, batch, args.temperature, vocab_size)
+            ref_logprobs = token_logprobs(reference, batch, args.temperature, vocab_size)[0].detach() if reference else None
+            loss, stats = policy_loss(
+                new_logprobs, batch["behaviour"], advantages[indices].to(model.device), batch["mask"],
+                num_sequences=len(samples), loss_type=args.loss_type, ratio_cap=args.ratio_cap,
+                clip_eps=args.clip_eps, ref_logprobs=ref_logprobs, kl_coef=args.kl_coef,
+            )
+            loss.backward()
+            n = float(batch["mask"].sum())
+            for k, v in stats.items():  # token-weighted means over the micro-batches
+                stats_sum[k] = stats_sum.get(k, 0.0) + float(v) * n
+            entropy_sum += float((entropy * batch["mask"]).sum())
+            tokens += n
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        trained_version = version  # the weights the gradient was taken at
+        version += 1
+
+        broadcast_s = 0.0
+        if version % push_every == 0 or version == args.steps:
+            broadcast_start = time.perf_counter()
+            dropped = sender.push(model, version, dtype=server_dtype)
+            broadcast_s = time.perf_counter() - broadcast_start
+            if dropped:
+                log.warning("servers dropped from weight updates: %s", dropped)
+        now = time.perf_counter()
+
+        token_versions = torch.tensor([v for s in samples for v in s["versions"]])
+        lag = trained_version - token_versions
+        completion_tokens = sum(len(s["completion_ids"]) for s in samples)
+        interval = now - (last_step_end or started)
+        last_step_end = now
+        metrics = {
+            "reward/mean": rewards.mean().item(),
+            "success/rate": (rewards == 1).float().mean().item(),
+            "lag/min": lag.min().item(), "lag/mean": lag.float().mean().item(), "lag/max": lag.max().item(),
+            "samples_per_s": len(samples) / interval, "tokens_per_s": completion_tokens / interval,
+            "entropy": entropy_sum / tokens, "grad_norm": grad_norm.item(), "completion/length": completion_tokens / len(samples),
+            "time/wait_data_s": step_start - wait_start, "time/train_s": now - step_start - broadcast_s,
+            "time/broadcast_s": broadcast_s, "time/elapsed_s": now - started, "samples": version * len(samples),
+            **{k: v / tokens for k, v in stats_sum.items()},
+        }
+        tracker.log(version, metrics)
+        tracker.log_samples(version, [{"problem_id": s["problem_id"], "reward": s["reward"], "completion": s.get("text", "")}
+                                      for s in samples[: args.group_size]])
+        log.info("step %d reward %.3f lag %.2f samples/s %.1f", version, metrics["reward/mean"], metrics["lag/mean"], metrics["samples_per_s"])
+        if args.save_interval and version % args.save_interval == 0:
+            save_checkpoint(args.output_dir, model, optimizer, version, reader.position - len(buffered))
+    sender.wait()
+    reader.close()
+    tracker.finish()
+
+
+def save_checkpoint(output_dir: str, model, optimizer, version: int, stream_position: int) -> None:
+    """Model (a save_pretrained folder the servers can load), optimizer, version and stream position;
+    written beside and renamed into place, so a crash mid-save keeps the previous checkpoint."""
+    path = os.path.join(output_dir, CHECKPOINT)
+    tmp = path + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(os.path.join(tmp, "model"))
+    torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+    with open(os.path.join(tmp, "state.json"), "w") as f:
+        json.dump({"version": version, "stream_position": stream_position}, f)
+    if os.path.exists(path):
+        os.rename(path, path + ".old")
+    os.rename(tmp, path)
+    shutil.rmtree(path + ".old", ignore_errors=True)
+
+
+def checkpoint_state(output_dir: str) -> dict:
+    path = os.path.join(output_dir, CHECKPOINT, "state.json")
+    if not os.path.exists(path):
+        raise cli.UserError(f"--resume: no checkpoint in {output_dir} (none saved yet? see --save-interval)")
+    with open(path) as f:
+        return json.load(f)
+
+
+def checkpoint_model(output_dir: str) -> str:
+    """The checkpoint's model folder: what a resumed run's servers and trainer load."""
+    return os.path.join(output_dir, CHECKPOINT, "model")
+
+
+@cli.main_with_user_errors
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(message)s")
+    args = cli.parse(GRPOArgs, get_preset, "tiny")
+    args.check()
+    if not args.servers:
+        raise cli.UserError("--servers: the trainer alone needs the URLs of running servers (or use grpo.launch)")
+    train(args, args.servers)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""Weights from the trainer to the inference servers (PipelineRL's in-flight update).
+
+Each server gets a process group of its own with the trainer (rank 0 = trainer, rank 1 = server),
+gloo on the CPU and NCCL on GPUs. One group per server, not one for all: a server that dies takes
+only its own group down, and the trainer carries on with the others. The groups are built from a
+TCPStore, outside `torch.distributed`'s default group, so a trainer launched by accelerate keeps its
+own. An update is announced over HTTP with every tensor's name, shape and dtype; the server checks
+them against its model before anything is received, then the trainer broadcasts tensor by tensor.
+"""
+
+import datetime
+import hashlib
+import logging
+import threading
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+
+from lm_human_preference_details.grpo.server import ServerError, request_json
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class ParameterSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @classmethod
+    def from_json(cls, record: dict) -> "ParameterSpec":
+        return cls(str(record["name"]), tuple(int(d) for d in record["shape"]), str(record["dtype"]))
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+
+
+def parameter_specs(model: torch.nn.Module, dtype: torch.dtype | None = None) -> list[ParameterSpec]:
+    """What an update of `model` sends: every parameter (tied ones once), in `dtype` if given."""
+    return [
+        ParameterSpec(name, tuple(p.shape), DTYPE_NAMES[dtype or p.dtype]) for name, p in model.named_parameters()
+    ]
+
+
+def digest(model: torch.nn.Module) -> dict[str, str]:
+    """SHA-256 of each parameter's bytes (equal digests: bitwise equal weights)."""
+    return {name: hashlib.sha256(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+            for name, p in model.named_parameters()}
+
+
+def mismatches(expected: list[ParameterSpec], offered: list[ParameterSpec]) -> list[str]:
+    """Why `offered` cannot be loaded into a model whose parameters are `expected` ([] if it can)."""
+    want = {s.name: s for s in expected}
+    have = {s.name: s for s in offered}
+    reasons = [f"missing parameter {name}" for name in want if name not in have]
+    reasons += [f"unknown parameter {name}" for name in have if name not in want]
+    for name in want.keys() & have.keys():
+        if want[name].shape != have[name].shape:
+            reasons.append(f"{name}: shape {list(have[name].shape)}, the server's is {list(want[name].shape)}")
+        if want[name].dtype != have[name].dtype:
+            reasons.append(f"{name}: dtype {have[name].dtype}, the server's is {want[name].dtype}")
+    if len(offered) != len(have):
+        reasons.append("a parameter name is repeated")
+    return sorted(reasons)
+
+
+class WeightGroup:
+    """A process group of its own between the trainer (rank 0) and one or more servers."""
+
+    def __init__(self, init_method: str, rank: int, world_size: int, backend: str = "gloo", timeout_s: float = 300):
+        url = urlparse(init_method)
+        if url.scheme != "tcp" or not url.hostname or not url.port:
+            raise ValueError(f"init_method {init_method!r}: expected tcp://HOST:PORT")
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend {backend!r}: expected gloo (CPU) or nccl (GPU)")
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.store = dist.TCPStore(url.hostname, url.port, world_size, rank == 0, timeout=timeout, wait_for_workers=False)
+        prefixed = dist.PrefixStore("weights", self.store)
+        if backend == "gloo":
+            self.group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        else:
+            self.group = dist.ProcessGroupNCCL(prefixed, rank, world_size)
+        self.rank, self.world_size, self.backend = rank, world_size, backend
+
+    def broadcast(self, tensor: torch.Tensor):
+        """Start broadcasting `tensor` from rank 0 into the same-shaped tensor of every rank; returns the work."""
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        return self.group.broadcast([tensor], options)
+
+
+def receive_tensors(group: WeightGroup, specs: list[ParameterSpec], device) -> list[torch.Tensor]:
+    """Server side: one broadcast per tensor, each into a fresh buffer (the model is not touched)."""
+    buffers = [torch.empty(spec.shape, dtype=DTYPES[spec.dtype], device=device) for spec in specs]
+    for work in [group.broadcast(buffer) for buffer in buffers]:
+        work.wait()
+    return buffers
+
+
+def load_tensors(model: torch.nn.Module, specs: list[ParameterSpec], tensors: list[torch.Tensor]) -> None:
+    """Copy received tensors into the model's parameters, all at once (between two decode steps)."""
+    parameters = dict(model.named_parameters())
+    with torch.no_grad():
+        for spec, tensor in zip(specs, tensors):
+            parameters[spec.name].copy_(tensor)
+
+
+class WeightSender:
+    """Trainer side: one process group per server; `push` after every optimizer step."""
+
+    def __init__(self, server_urls: list[str], backend: str = "gloo", host: str = "127.0.0.1", timeout_s: float = 300):
+        self.groups: dict[str, WeightGroup] = {}
+        for url in server_urls:
+            init_method = f"tcp://{host}:{_free_port(host)}"
+            built: dict = {}
+            # our side of the rendezvous waits for the server's: build it aside while the server is asked
+            rendezvous = threading.Thread(target=_build_group_into, args=(built, init_method, backend, timeout_s), daemon=True)
+            rendezvous.start()
+            request_json("POST", f"{url}/init_process_group", {
+                "init_method": init_method, "rank": 1, "world_size": 2, "backend": backend}, timeout_s=timeout_s)
+            rendezvous.join()
+            if "error" in built:
+                raise built["error"]
+            self.groups[url] = built["group"]
+        self.timeout_s = timeout_s
+        self._in_flight: dict[str, list] = {}
+        self._snapshot: list[torch.Tensor] = []
+
+    def push(self, model: torch.nn.Module, version: int, dtype: torch.dtype | None = None) -> list[str]:
+        """Announce the update to every live server, snapshot the parameters and start broadcasting
+        them; returns without waiting, so the next optimizer step overlaps the transfer (the snapshot
+        keeps it consistent). Waits for the previous push first. Returns the servers dropped because
+        they could not be reached; a refused update raises (trainer and servers disagree)."""
+        dropped = self.wait()
+        specs = parameter_specs(model, dtype)
+        payload = {"version": version, "parameters": [s.to_json() for s in specs]}
+        for url in list(self.groups):
+            try:
+                request_json("POST", f"{url}/request_weight_update", payload, timeout_s=self.timeout_s)
+            except ServerError as error:
+                if error.status is not None:
+                    raise
+                dropped.append(self._drop(url, error))
+        with torch.no_grad():
+            snapshot = [p.detach().to(dtype or p.dtype, copy=True) for _, p in model.named_parameters()]
+        self._in_flight = {url: [group.broadcast(t) for t in snapshot] for url, group in self.groups.items()}
+        self._snapshot = snapshot  # alive until the broadcasts finish
+        return dropped
+
+    def wait(self) -> list[str]:
+        """Wait until the last push has reached every server; returns the servers dropped meanwhile."""
+        dropped = []
+        for url, works in self._in_flight.items():
+            try:
+                for work in works:
+                    work.wait()
+            except RuntimeError as error:
+                dropped.append(self._drop(url, error))
+        self._in_flight, self._snapshot = {}, []
+        return dropped
+
+    def _drop(self, url: str, error: Exception) -> str:
+        log.warning("server %s failed (%s): no more weight updates to it", url, error)
+        del self.groups[url]
+        return url
+
+
+def _build_group_into(built: dict, init_method: str, backend: str, timeout_s: float) -> None:
+    try:
+        built["group"] = WeightGroup(init_method, 0, 2, backend, timeout_s)
+    except RuntimeError as error:
+        built["error"] = error
+
+
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -1,0 +1,149 @@
+"""The engine (in process) and the trainer's view of the same tokens: logprobs, continuous batching,
+weights swapped between two decode steps while sequences carry on with their KV cache."""
+
+import threading
+
+import pytest
+import torch
+
+from lm_human_preference_details.assets import tiny_math_prompt
+from lm_human_preference_details.grpo.config import GRPOArgs
+from lm_human_preference_details.grpo.engine import Engine, GenerationRequest
+from lm_human_preference_details.grpo.server import load_for_inference
+from lm_human_preference_details.grpo.trainer import batch_tensors, pack, token_logprobs
+
+
+@pytest.fixture(scope="module")
+def tiny_math():
+    return load_for_inference("tiny-math", "cpu")
+
+
+def full_forward_logprobs(model, prompt_ids, token_ids, temperature, vocab_size):
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids + token_ids])).logits[0, len(prompt_ids) - 1 : -1, :vocab_size]
+    logprobs = torch.log_softmax(logits / temperature, -1)
+    return logprobs.gather(1, torch.tensor(token_ids)[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_are_those_of_a_full_forward_pass(tiny_math, temperature):
+    model, tokenizer = tiny_math
+    engine = Engine(model, max_batch_size=4, seed=0, vocab_size=len(tokenizer)).start()
+    try:
+        prompts = [tokenizer(tiny_math_prompt(a, b))["input_ids"] for a in range(3) for b in range(4)]
+        prompts[0] = tokenizer("12+34=\\boxed{")["input_ids"]  # another length: rows of the cache differ
+        futures = [engine.submit(GenerationRequest(p, max_new_tokens=12, temperature=temperature)) for p in prompts]
+        for prompt, future in zip(prompts, futures):
+            generation = future.result(timeout=60)
+            assert len(generation.token_ids) == 12 and generation.finish_reason == "length"
+            expected = full_forward_logprobs(model, prompt, generation.token_ids, temperature, len(tokenizer))
+            torch.testing.assert_close(torch.tensor(generation.logprobs), expected, atol=2e-5, rtol=0)
+    finally:
+        engine.stop()
+
+
+def test_finished_slots_are_refilled_and_stop_tokens_end_sequences(tiny_math):
+    model, tokenizer = tiny_math
+    engine = Engine(model, max_batch_size=4, seed=0, vocab_size=len(tokenizer)).start()
+    try:
+        prompt = tokenizer(tiny_math_prompt(1, 2))["input_ids"]
+        lengths = [2, 9, 3, 7, 4, 8, 5, 6, 2, 9, 3, 7, 4, 8, 5, 6]
+        generations = [f.result(timeout=60) for f in [engine.submit(GenerationRequest(prompt, n)) for n in lengths]]
+        assert [len(g.token_ids) for g in generations] == lengths
+        # without refilling, each wave of 4 would decode for its longest member: mean occupancy about 2.6
+        assert engine.stats["decode_rows"] / engine.stats["decode_steps"] > 3.3
+        assert engine.load() == {"active": 0, "queued": 0}
+
+        stopped = engine.submit(GenerationRequest(prompt, 30, stop_token_ids=frozenset([tokenizer.eos_token_id]))).result(timeout=60)
+        assert stopped.finish_reason == "stop" and stopped.token_ids[-1] == tokenizer.eos_token_id
+        assert tokenizer.eos_token_id not in stopped.token_ids[:-1]
+    finally:
+        engine.stop()
+
+
+def test_bad_requests_are_refused_before_queueing(tiny_math):
+    model, tokenizer = tiny_math
+    engine = Engine(model, max_batch_size=2, vocab_size=len(tokenizer))
+    with pytest.raises(ValueError, match="empty"):
+        engine.submit(GenerationRequest([], 4))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.submit(GenerationRequest([1, len(tokenizer)], 4))
+    with pytest.raises(ValueError, match="exceeds the model's 256 positions"):
+        engine.submit(GenerationRequest([1] * 250, 10))
+
+
+def test_weights_change_between_decode_steps_and_sequences_keep_their_cache(tiny_math):
+    model, tokenizer = tiny_math
+    model = type(model)(model.config)
+    model.load_state_dict(load_for_inference("tiny-math", "cpu")[0].state_dict())
+    new_weights = {name: p.detach() + 0.05 * torch.randn_like(p) for name, p in model.named_parameters()}
+    engine = Engine(model.eval(), max_batch_size=8, seed=1, vocab_size=len(tokenizer)).start()
+    try:
+        prompts = [tokenizer(tiny_math_prompt(a, 1))["input_ids"] for a in range(8)]
+        futures = [engine.submit(GenerationRequest(p, max_new_tokens=200, temperature=1.0)) for p in prompts]
+        while engine.stats["generated_tokens"] < 8 * 20:  # well into decoding
+            threading.Event().wait(0.001)
+
+        def apply_weights():
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    p.copy_(new_weights[name])
+            return 1
+
+        pause = engine.schedule_update(apply_weights).result(timeout=60)
+        assert pause > 0
+        for prompt, future in zip(prompts, futures):
+            g = future.result(timeout=120)
+            switch = g.versions.index(1)
+            assert 0 < switch < len(g.token_ids) == 200  # one sequence, two weight versions, not restarted
+            assert g.versions == [0] * switch + [1] * (200 - switch)
+            # the keys and values before the switch were kept (PipelineRL), not recomputed with the
+            # new weights: the later tokens' logprobs are not those of a full pass with the new weights
+            new_full = full_forward_logprobs(model, prompt, g.token_ids, 1.0, len(tokenizer))
+            assert not torch.allclose(torch.tensor(g.logprobs[switch:]), new_full[switch:], atol=1e-4)
+    finally:
+        engine.stop()
+
+
+def test_trainer_logprobs_match_the_engine_on_policy(tiny_math):
+    """The trainer's packed, right-padded forward reproduces the server's sampling logprobs, so the
+    importance ratio of on-policy tokens is 1."""
+    model, tokenizer = tiny_math
+    engine = Engine(model, max_batch_size=8, seed=3, vocab_size=len(tokenizer)).start()
+    try:
+        prompts = [tokenizer(p)["input_ids"] for p in ["1+2=\\boxed{", "33+4=\\boxed{", "0+0=\\boxed{", "9*9=\\boxed{"]]
+        requests = [GenerationRequest(p, max_new_tokens=n, temperature=0.8, stop_token_ids=frozenset([tokenizer.eos_token_id]))
+                    for p, n in zip(prompts, [5, 11, 3, 8])]
+        generations = [f.result(timeout=60) for f in [engine.submit(r) for r in requests]]
+    finally:
+        engine.stop()
+    samples = [{"prompt_ids": p, "completion_ids": g.token_ids, "logprobs": g.logprobs, "versions": g.versions}
+               for p, g in zip(prompts, generations)]
+    lengths = [len(s["prompt_ids"]) + len(s["completion_ids"]) for s in samples]
+    micro_batches = pack(lengths, token_budget=2 * max(lengths))
+    assert sorted(i for mb in micro_batches for i in mb) == [0, 1, 2, 3] and len(micro_batches) > 1
+    for indices in micro_batches:
+        batch = batch_tensors(samples, indices, "cpu")
+        with torch.no_grad():
+            new, _ = token_logprobs(model, batch, 0.8, len(tokenizer))
+        mask = batch["mask"].bool()
+        assert int(mask.sum()) == sum(len(samples[i]["completion_ids"]) for i in indices)
+        torch.testing.assert_close(new[mask], batch["behaviour"][mask], atol=2e-5, rtol=0)
+
+
+def test_pack_respects_the_token_budget():
+    lengths = [10, 3, 7, 7, 2, 10, 5]
+    batches = pack(lengths, token_budget=20)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    for b in batches:
+        assert len(b) * max(lengths[i] for i in b) <= 20
+    assert pack([50, 3], token_budget=20) == [[0], [1]]  # too long for the budget: alone
+
+
+def test_grpo_args_check_names_the_field():
+    from lm_human_preference_details.cli import UserError
+
+    with pytest.raises(UserError, match="--batch-size 60 must be a multiple of --group-size 8"):
+        GRPOArgs(batch_size=60, group_size=8).check()
+    with pytest.raises(UserError, match="--steps-ahead must be >= 1"):
+        GRPOArgs(steps_ahead=0).check()

@@ -1,0 +1,172 @@
+"""The inference server as a real process over real HTTP, and the trainer's side of the weight
+update over a real gloo process group: bitwise weights, in-flight sequences that span two weight
+versions, refused updates that leave the old weights serving, bad requests that get a 4xx."""
+
+import concurrent.futures
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import torch
+from conftest import free_port
+
+from lm_human_preference_details.assets import resolve_model_path
+from lm_human_preference_details.grpo.server import ServerError, request_json
+from lm_human_preference_details.grpo.weights import WeightSender, digest, parameter_specs
+from lm_human_preference_details.models import load_causal_lm
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """tiny-math with a chat template (the real tokenizer has none), so /v1/chat/completions can be tested."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = str(tmp_path_factory.mktemp("tiny-math-chat"))
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("tiny-math"))
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny-math")).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("logs") / "server.log", "wb")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "lm_human_preference_details.grpo.server", "--model", model_dir, "--port", str(port),
+         "--threads", "1", "--max-batch-size", "8"], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            assert process.poll() is None, "the server exited at start"
+            try:
+                request_json("GET", f"{url}/health", timeout_s=1)
+                break
+            except ServerError:
+                time.sleep(0.1)
+        yield url
+    finally:
+        process.terminate()
+        assert process.wait(timeout=30) is not None
+
+
+def post_raw(url: str, body: bytes) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_completions_return_token_ids_logprobs_and_versions(server):
+    reply = request_json("POST", f"{server}/v1/completions", {"prompt": "1+2=\\boxed{", "max_tokens": 5, "n": 3})
+    assert reply["object"] == "text_completion" and len(reply["choices"]) == 3
+    assert reply["usage"]["prompt_tokens"] == len(reply["prompt_token_ids"]) == len("1+2=\\boxed{")
+    for choice in reply["choices"]:
+        n = len(choice["token_ids"])
+        assert 1 <= n <= 5 and len(choice["logprobs"]["token_logprobs"]) == n == len(choice["model_versions"])
+        assert all(lp <= 0 for lp in choice["logprobs"]["token_logprobs"]) and set(choice["model_versions"]) == {0}
+        assert choice["finish_reason"] in ("stop", "length")
+    by_ids = request_json("POST", f"{server}/v1/completions", {"prompt": reply["prompt_token_ids"], "max_tokens": 2, "ignore_eos": True})
+    assert len(by_ids["choices"][0]["token_ids"]) == 2 and by_ids["choices"][0]["finish_reason"] == "length"
+
+
+def test_chat_completions_apply_the_chat_template(server):
+    reply = request_json("POST", f"{server}/v1/chat/completions",
+                         {"messages": [{"role": "user", "content": "2+2"}], "max_tokens": 4})
+    assert reply["object"] == "chat.completion"
+    assert reply["prompt_token_ids"] == request_json("POST", f"{server}/v1/completions", {"prompt": "2+2=", "max_tokens": 1})["prompt_token_ids"]
+    choice = reply["choices"][0]
+    assert choice["message"]["role"] == "assistant" and isinstance(choice["message"]["content"], str)
+    assert len(choice["logprobs"]["content"]) == len(choice["token_ids"]) == len(choice["model_versions"])
+
+
+@pytest.mark.parametrize("path, body, status, reason", [
+    ("/v1/completions", b"{not json", 400, "not JSON"),
+    ("/v1/completions", b"[1, 2]", 400, "JSON object"),
+    ("/v1/completions", b'{"max_tokens": 3}', 400, "'prompt'"),
+    ("/v1/completions", b'{"prompt": "1+1=", "max_tokens": 0}', 400, "'max_tokens'"),
+    ("/v1/completions", b'{"prompt": "1+1=", "temperature": 0}', 400, "'temperature'"),
+    ("/v1/completions", b'{"prompt": "1+1=", "n": 1000}', 400, "'n'"),
+    ("/v1/completions", b'{"prompt": [1, 99999]}', 400, "outside the vocabulary"),
+    ("/v1/completions", b'{"prompt": "1+1=", "max_tokens": 100000}', 400, "positions"),
+    ("/v1/chat/completions", b'{"messages": "hi"}', 400, "'messages'"),
+    ("/init_process_group", b'{"init_method": "file:///x", "rank": 1, "world_size": 2}', 400, "tcp://"),
+    ("/init_process_group", b'{"init_method": "tcp://127.0.0.1:1", "rank": 0, "world_size": 2}', 400, "'rank'"),
+    ("/request_weight_update", b'{"version": 1, "parameters": []}', 409, "init_process_group"),
+])
+def test_malformed_requests_get_a_4xx_with_the_reason_and_the_server_stays_up(server, path, body, status, reason):
+    got_status, reply = post_raw(server + path, body)
+    assert got_status == status and reason in reply["error"]
+    assert request_json("GET", f"{server}/health")["status"] == "ok"
+
+
+@pytest.fixture(scope="module")
+def trainer_side(server, model_dir):
+    """The trainer's model (the same weights as the server's) and its process group with the server."""
+    model = load_causal_lm(model_dir)
+    return model, WeightSender([server])
+
+
+def long_completions(server: str, count: int) -> list[dict]:
+    body = {"prompt": "1+1=\\boxed{", "max_tokens": 150, "ignore_eos": True}
+    with concurrent.futures.ThreadPoolExecutor(count) as pool:
+        return [f.result()["choices"][0] for f in [pool.submit(request_json, "POST", f"{server}/v1/completions", body) for _ in range(count)]]
+
+
+def test_weight_update_is_bitwise_and_sequences_in_flight_span_two_versions(server, trainer_side):
+    model, sender = trainer_side
+    assert request_json("GET", f"{server}/weights_digest")["digests"] == digest(model)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        in_flight = pool.submit(long_completions, server, 4)
+        while request_json("GET", f"{server}/metrics")["generated_tokens"] < 4 * 30:
+            time.sleep(0.01)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01 * torch.randn_like(p))
+        assert sender.push(model, version=1) == [] and sender.wait() == []
+        choices = in_flight.result(timeout=120)
+    for choice in choices:
+        versions = choice["model_versions"]
+        switch = versions.index(1)
+        assert 0 < switch and versions == [0] * switch + [1] * (len(versions) - switch)  # continued, not restarted
+    while request_json("GET", f"{server}/health")["model_version"] != 1:
+        time.sleep(0.01)
+    served = request_json("GET", f"{server}/weights_digest")
+    assert served["model_version"] == 1 and served["digests"] == digest(model)
+    metrics = request_json("GET", f"{server}/metrics")
+    assert metrics["weight_updates"] == 1 and metrics["pause_s_last"] > 0
+
+
+def test_a_mismatched_update_is_refused_and_the_old_weights_keep_serving(server, trainer_side):
+    model, _ = trainer_side
+    before = request_json("GET", f"{server}/weights_digest")
+    specs = [s.to_json() for s in parameter_specs(model)]
+    wrong_shape = [dict(s, shape=[s["shape"][0] + 1] + s["shape"][1:]) if i == 0 else s for i, s in enumerate(specs)]
+    wrong_dtype = [dict(s, dtype="bfloat16") if i == 1 else s for i, s in enumerate(specs)]
+    renamed = specs[:-1] + [dict(specs[-1], name="lm_head.not_a_weight")]
+    version = before["model_version"] + 1
+    for parameters, reason in [(wrong_shape, f"{specs[0]['name']}: shape"), (wrong_dtype, "dtype bfloat16"),
+                               (renamed, "unknown parameter lm_head.not_a_weight"), (specs[1:], f"missing parameter {specs[0]['name']}")]:
+        status, reply = post_raw(f"{server}/request_weight_update", json.dumps({"version": version, "parameters": parameters}).encode())
+        assert status == 400 and "refused" in reply["error"] and reason in reply["error"]
+    status, reply = post_raw(f"{server}/request_weight_update", json.dumps({"version": before["model_version"], "parameters": specs}).encode())
+    assert status == 400 and "'version'" in reply["error"]  # not newer than what serves
+    assert request_json("GET", f"{server}/weights_digest") == before
+    reply = request_json("POST", f"{server}/v1/completions", {"prompt": "1+1=", "max_tokens": 3})
+    assert set(reply["choices"][0]["model_versions"]) == {before["model_version"]}
+
+
+def test_server_binds_loopback_by_default():
+    from lm_human_preference_details.grpo.server import Args
+
+    assert Args().host == "127.0.0.1"
+    assert os.environ["HF_HUB_OFFLINE"] == "1"

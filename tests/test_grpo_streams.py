@@ -1,0 +1,209 @@
+"""The actor -> trainer sample stream, on both backends: a JSON-lines file and a real redis-server."""
+
+import json
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from conftest import free_port, redis_client, with_stream
+
+from lm_human_preference_details.cli import UserError
+from lm_human_preference_details.grpo.streams import (
+    FileStreamUrl,
+    RedisStreamUrl,
+    StreamConnectionError,
+    open_reader,
+    open_writer,
+    parse_stream_url,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def redis_stream(redis_url):
+    """A stream of its own for each test, deleted afterwards (CI's server is shared)."""
+    name = f"test-{uuid.uuid4().hex}"
+    yield with_stream(redis_url, name)
+    with redis_client(redis_url) as client:
+        client.delete(name)
+
+
+@pytest.fixture(params=["file", "redis"])
+def url(request, tmp_path):
+    if request.param == "file":
+        return str(tmp_path / "run" / "samples.jsonl")  # the parent folder does not exist yet
+    return request.getfixturevalue("redis_stream")
+
+
+def records(n: int, offset: int = 0) -> list[dict]:
+    return [{"i": i, "reward": (i + 1) / 7, "tokens": list(range(i % 5))} for i in range(offset, offset + n)]
+
+
+def write_all(url: str, items: list[dict]) -> None:
+    writer = open_writer(url)
+    for record in items:
+        writer.write(record)
+    writer.close()
+
+
+def read_n(reader, n: int, timeout_s: float = 20.0) -> list[dict]:
+    got, deadline = [], time.monotonic() + timeout_s
+    while len(got) < n and time.monotonic() < deadline:
+        got += reader.read(n - len(got), timeout_s=0.5)
+    return got
+
+
+# ---------------------------------------------------------------- URLs
+
+
+def test_url_forms():
+    assert parse_stream_url("runs/a/samples.jsonl") == FileStreamUrl("runs/a/samples.jsonl")
+    assert parse_stream_url("file:///tmp/my%20run/s.jsonl") == FileStreamUrl("/tmp/my run/s.jsonl")
+    assert parse_stream_url("redis://") == RedisStreamUrl("redis://", "localhost", 6379, 0, "samples", None)
+    assert parse_stream_url("redis://h:7000/3?stream=s&maxlen=100") == RedisStreamUrl(
+        "redis://h:7000/3?stream=s&maxlen=100", "h", 7000, 3, "s", 100
+    )
+
+
+@pytest.mark.parametrize(
+    "bad", ["http://host/x", "s3://bucket/key", "", "file://otherhost/x", "redis://h/0?maxlen=-1", "redis://h/0?strem=s"]
+)
+def test_bad_url_is_user_error_naming_the_forms(bad):
+    with pytest.raises(UserError, match="file:///abs/path.jsonl, or redis://host:port/db"):
+        open_writer(bad)
+
+
+# ---------------------------------------------------------------- both backends
+
+
+def test_round_trip_in_order_with_exact_values(url):
+    sent = [
+        {"tokens": [50256, 0, 7], "logprobs": [-0.1, -1 / 3, -1e-300, -2.5e-8], "reward": 0.1 + 0.2},
+        {"text": 'a "quoted"\nline\twith ünïcode', "versions": [3, 3, 4], "big": 2**53 + 1, "none": None},
+        {"nested": {"ok": True, "xs": [1.7976931348623157e308, 5e-324]}},
+    ]
+    write_all(url, sent)
+    reader = open_reader(url)
+    assert reader.read(10, timeout_s=5) == sent
+    assert reader.position == 3
+    reader.close()
+
+
+def test_read_returns_nothing_after_the_timeout(url):
+    writer = open_writer(url)  # the stream exists for a file, not yet for Redis: both must just wait
+    reader = open_reader(url)
+    began = time.monotonic()
+    assert reader.read(5, timeout_s=0.3) == []
+    assert 0.3 <= time.monotonic() - began < 1.5
+    assert reader.position == 0
+    writer.close()
+    reader.close()
+
+
+def test_max_records_is_honoured(url):
+    write_all(url, records(10))
+    reader = open_reader(url)
+    assert reader.read(3, timeout_s=5) == records(3)
+    assert reader.position == 3
+    assert reader.read(100, timeout_s=5) == records(7, offset=3)
+    assert reader.position == 10
+    assert reader.read(1, timeout_s=0.05) == []
+
+
+def test_start_skips_records_even_ones_not_written_yet(url):
+    write_all(url, records(10))
+    reader = open_reader(url, start=4)
+    assert reader.position == 4
+    assert reader.read(100, timeout_s=5) == records(6, offset=4)
+    assert reader.position == 10
+
+    ahead = open_reader(url, start=12)  # a resumed trainer that is ahead of a restarted actor
+    assert ahead.read(100, timeout_s=0.1) == []
+    write_all(url, records(5, offset=10))
+    assert ahead.read(100, timeout_s=5) == records(3, offset=12)
+    assert ahead.position == 15
+
+
+WRITER = """
+import sys, time
+from lm_human_preference_details.grpo.streams import open_writer
+writer = open_writer(sys.argv[1])
+for i in range(int(sys.argv[2])):
+    writer.write({"i": i, "reward": (i + 1) / 7, "tokens": list(range(i % 5))})
+    if i % 100 == 0:
+        time.sleep(0.02)  # let the reader catch up, so it reads while the writer writes
+writer.close()
+"""
+
+
+def test_writer_process_and_reader_run_concurrently(url):
+    n = 500
+    reader = open_reader(url)  # opened first: for a file, before the file exists
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, url, str(n)], cwd=REPO)
+    try:
+        got = read_n(reader, n)
+        assert writer.wait(timeout=20) == 0
+    finally:
+        writer.kill()
+    assert got == records(n)
+    assert reader.position == n
+    assert reader.read(1, timeout_s=0.05) == []
+
+
+# ---------------------------------------------------------------- files
+
+
+def test_file_partial_last_line_waits_until_complete(tmp_path):
+    path = tmp_path / "samples.jsonl"
+    line = json.dumps({"tokens": [1, 2, 3], "reward": 0.5}) + "\n"
+    reader = open_reader(str(path))
+    with open(path, "w") as f:
+        f.write(line[:10])
+        f.flush()
+        assert reader.read(5, timeout_s=0.1) == []
+        assert reader.position == 0
+        f.write(line[10:])
+        f.flush()
+        assert reader.read(5, timeout_s=1) == [{"tokens": [1, 2, 3], "reward": 0.5}]
+    assert reader.position == 1
+
+
+def test_file_reader_waits_for_a_file_that_does_not_exist_yet(tmp_path):
+    url = f"file://{tmp_path}/later/samples.jsonl"
+    reader = open_reader(url)
+    assert reader.read(5, timeout_s=0.1) == []
+    threading.Timer(0.3, write_all, args=(url, records(2))).start()
+    began = time.monotonic()
+    assert reader.read(5, timeout_s=10) == records(2)
+    assert time.monotonic() - began < 5
+
+
+# ---------------------------------------------------------------- Redis
+
+
+def test_redis_wire_is_one_json_field(redis_stream):
+    write_all(redis_stream, records(2))
+    with redis_client(redis_stream, decode_responses=True) as client:
+        entries = client.xrange(parse_stream_url(redis_stream).stream)
+    assert [fields.keys() for _, fields in entries] == [{"json"}, {"json"}]
+    assert [json.loads(fields["json"]) for _, fields in entries] == records(2)
+
+
+def test_redis_maxlen_trims(redis_stream):
+    write_all(redis_stream + "&maxlen=10", records(1000))
+    with redis_client(redis_stream) as client:
+        assert 10 <= client.xlen(parse_stream_url(redis_stream).stream) < 1000  # approximate: Redis trims whole internal nodes
+
+
+def test_unreachable_redis_names_the_url_and_the_fix():
+    pytest.importorskip("redis")
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0?stream=s"
+    with pytest.raises(StreamConnectionError) as e:
+        open_reader(url)
+    assert url in str(e.value) and f"redis-server --port {port}" in str(e.value)

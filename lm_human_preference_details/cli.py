@@ -18,8 +18,7 @@ class UserError(ValueError):
 
 def parse(args_type: type[T], defaults_for_task: Callable[[str], T], default_task: str, argv: list[str] | None = None) -> T:
     """`--task NAME` picks the preset whose values become the defaults; every other flag overrides them."""
-    transformers.utils.logging.set_verbosity_error()  # progress bars and notices drown the training log
-    transformers.utils.logging.disable_progress_bar()
+    quiet_transformers()
     argv = list(sys.argv[1:] if argv is None else argv)
     task = default_task
     for i, arg in enumerate(argv):
@@ -33,6 +32,12 @@ def parse(args_type: type[T], defaults_for_task: Callable[[str], T], default_tas
             break
     description = f"{args_type.__doc__}\n\n`--task NAME` picks a preset of tasks.py (default {default_task}) whose values are the defaults below; any flag overrides them."
     return tyro.cli(args_type, default=defaults_for_task(task), args=argv, description=description)
+
+
+def quiet_transformers() -> None:
+    """Progress bars and notices drown the training log (each process calls this for itself)."""
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
 
 
 def make_accelerator():

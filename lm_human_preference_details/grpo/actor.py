@@ -18,6 +18,7 @@ import asyncio
 import concurrent.futures
 import logging
 import multiprocessing
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ import aiohttp
 
 from lm_human_preference_details import cli
 from lm_human_preference_details.grpo.config import GRPOArgs, get_preset, load_task_problems
+from lm_human_preference_details.grpo.lifetime import exit_with_parent
 from lm_human_preference_details.grpo.rewards import Problem, integer_reward, math_reward
 from lm_human_preference_details.grpo.streams import open_writer
 
@@ -61,16 +63,22 @@ class Actor:
         self.lookahead = args.steps_ahead if args.mode == "pipeline" else args.sync_steps
         self.retries = 0
         self._changed: asyncio.Condition | None = None
+        self._failure: BaseException | None = None
         self._verifier: concurrent.futures.Executor | None = None
 
     def weight_version(self) -> int:
-        live = [s.version for s in self.servers if s.live()] or [s.version for s in self.servers]
-        return min(live)
+        """The newest weights any server has: what the trainer last pushed, as far as we know."""
+        return max(s.version for s in self.servers)
+
+    def usable(self, server: ServerState) -> bool:
+        """Answers, and its weights are not left behind (a server the trainer stopped updating)."""
+        return server.live() and server.version >= self.weight_version() - self.lookahead
 
     async def run(self, first_group: int = 0) -> None:
         """Generate groups first_group .. steps * groups_per_step - 1 and write them to the stream."""
         self._changed = asyncio.Condition()
-        self._verifier = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        self._verifier = concurrent.futures.ProcessPoolExecutor(
+            1, mp_context=multiprocessing.get_context("spawn"), initializer=exit_with_parent, initargs=(os.getpid(),))
         writer = open_writer(self.args.stream_url())
         timeout = aiohttp.ClientTimeout(total=self.args.request_timeout_s)
         connector = aiohttp.TCPConnector(limit=0)  # the per-server bound is ours: max_in_flight
@@ -80,7 +88,9 @@ class Actor:
             try:
                 for k in range(first_group, self.args.steps * self.args.groups_per_step()):
                     await self._wait_for_room(k)
-                    pending.add(asyncio.create_task(self._group(session, writer, self.problems[k % len(self.problems)])))
+                    task = asyncio.create_task(self._group(session, writer, self.problems[k % len(self.problems)]))
+                    task.add_done_callback(self._group_done)
+                    pending.add(task)
                     pending = await _reap(pending)
                 while pending:
                     pending = await _reap(pending, wait=True)
@@ -93,8 +103,20 @@ class Actor:
 
     async def _wait_for_room(self, group_index: int) -> None:
         async with self._changed:
-            await self._changed.wait_for(
-                lambda: group_index < (self.weight_version() + self.lookahead) * self.args.groups_per_step())
+            await self._changed.wait_for(lambda: self._failure is not None or
+                                         group_index < (self.weight_version() + self.lookahead) * self.args.groups_per_step())
+        if self._failure is not None:  # a group failed for good: the trainer would wait for it forever
+            raise self._failure
+
+    def _group_done(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None and self._failure is None:
+            self._failure = task.exception()
+
+            async def wake():
+                async with self._changed:
+                    self._changed.notify_all()
+
+            asyncio.ensure_future(wake())
 
     async def _group(self, session, writer, problem: Problem) -> None:
         prompt_ids, choices = await self._complete(session, problem)
@@ -146,7 +168,7 @@ class Actor:
     async def _acquire_server(self) -> ServerState:
         async with self._changed:
             while True:
-                free = [s for s in self.servers if s.live() and s.in_flight < self.args.max_in_flight]
+                free = [s for s in self.servers if self.usable(s) and s.in_flight < self.args.max_in_flight]
                 if free:
                     server = min(free, key=lambda s: s.in_flight)
                     server.in_flight += 1
@@ -169,10 +191,14 @@ class Actor:
             try:
                 async with session.get(url, timeout=timeout) as response:
                     health = await response.json()
+                if response.status != 200:  # stale weights (it lost the trainer): no more requests to it
+                    raise ValueError(health.get("error", response.status))
                 if not server.live():
                     log.info("server %s is back", server.url)
                 server.version, server.down_until = max(server.version, health["model_version"]), 0.0
-            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, ValueError):
+            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, ValueError) as error:
+                if server.live():
+                    log.warning("server %s is not serving (%r): no requests to it until it answers", server.url, error)
                 server.down_until = max(server.down_until, time.monotonic() + RETRY_AFTER_S)
                 await asyncio.sleep(RETRY_AFTER_S / 4)
             async with self._changed:

@@ -94,6 +94,8 @@ class GRPOArgs(RunArgs):
     more sequences than the server's batch, so a finished slot is refilled from its queue at once"""
     stream: str = ""
     """where samples go: empty = `<output_dir>/stream.jsonl`, or `redis://HOST:PORT/DB?stream=NAME`"""
+    trainer_host: str = "127.0.0.1"
+    """address at which the servers reach the trainer for the weight broadcast"""
     threads: int = 1
     """torch CPU threads per process (server, trainer)"""
     request_timeout_s: float = 300.0
@@ -109,6 +111,8 @@ class GRPOArgs(RunArgs):
 
     def check(self) -> None:
         """Sizes that must fit together; a UserError names the field and the fix."""
+        if self.batch_size < self.group_size:
+            raise UserError(f"--batch-size {self.batch_size} must be at least --group-size {self.group_size}")
         if self.group_size < 2:
             raise UserError(f"--group-size {self.group_size}: a group needs at least 2 attempts")
         if self.batch_size % self.group_size:
@@ -116,8 +120,14 @@ class GRPOArgs(RunArgs):
         for name in ("steps", "sync_steps", "steps_ahead", "num_servers", "server_batch_size", "max_in_flight", "max_tokens", "threads"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.temperature <= 0:
-            raise UserError(f"--temperature must be > 0 (sampling), got {self.temperature}")
+        for name in ("temperature", "lr", "ratio_cap", "clip_eps", "grad_clip", "request_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise UserError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+        for name in ("kl_coef", "save_interval"):
+            if getattr(self, name) < 0:
+                raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.token_budget < 1:
+            raise UserError(f"--token-budget must be >= 1, got {self.token_budget}")
 
 
 PRESETS: dict[str, GRPOArgs] = {

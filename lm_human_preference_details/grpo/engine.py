@@ -61,7 +61,8 @@ class Engine:
         self.model = model.eval()
         self.device = next(model.parameters()).device
         self.max_batch_size = max_batch_size
-        self.vocab_size = vocab_size or model.config.vocab_size
+        # the tokenizer may know fewer ids than the embedding has rows, never more
+        self.vocab_size = min(vocab_size or model.config.vocab_size, model.config.vocab_size)
         self.max_positions = _max_positions(model.config)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.version = 0
@@ -112,9 +113,17 @@ class Engine:
     def schedule_update(self, apply_weights) -> Future:
         """Run `apply_weights()` on the engine thread between two decode steps; it returns the new
         version. The future resolves to the pause in seconds (decoding stopped for that long)."""
+        return self._between_steps(apply_weights, is_update=True)
+
+    def call_between_steps(self, function) -> Future:
+        """Run `function()` on the engine thread between two decode steps (it sees no update half
+        applied); the future resolves to its result."""
+        return self._between_steps(function, is_update=False)
+
+    def _between_steps(self, function, is_update: bool) -> Future:
         future = Future()
         with self._wake:
-            self._updates.append((apply_weights, future))
+            self._updates.append((function, future, is_update))
             self._wake.notify()
         return future
 
@@ -135,9 +144,13 @@ class Engine:
                     updates = list(self._updates)
                     self._updates.clear()
                     free = self.max_batch_size - len(self._active)
-                    admitted = [self._queue.popleft() for _ in range(min(free, len(self._queue)))]
-                for apply_weights, future in updates:
-                    self._apply_update(apply_weights, future)
+                    admitted = []
+                    while self._queue and len(admitted) < free:
+                        sequence = self._queue.popleft()
+                        if sequence.future.set_running_or_notify_cancel():  # False: its client gave up
+                            admitted.append(sequence)
+                for function, future, is_update in updates:
+                    self._run_between_steps(function, future, is_update)
                 try:
                     if admitted:
                         self._prefill(admitted)
@@ -150,16 +163,21 @@ class Engine:
                     self._reset_batch()
         for sequence in self._active + list(self._queue):
             sequence.future.cancel()
+        for _, future, _ in self._updates:
+            future.set_exception(RuntimeError("engine stopped before the update was applied"))
 
-    def _apply_update(self, apply_weights, future: Future) -> None:
+    def _run_between_steps(self, function, future: Future, is_update: bool) -> None:
         start = time.perf_counter()
         try:
-            with torch.no_grad():  # parameters are not inference tensors: copy_ into them outside inference_mode
-                with torch.inference_mode(False):
-                    self.version = apply_weights()
+            with torch.no_grad(), torch.inference_mode(False):  # parameters are not inference tensors
+                result = function()
         except Exception as error:
             future.set_exception(error)
             return
+        if not is_update:
+            future.set_result(result)
+            return
+        self.version = result
         pause = time.perf_counter() - start
         self.stats["updates"] += 1
         self.stats["pause_s_total"] += pause
@@ -207,7 +225,9 @@ class Engine:
             sequence.token_ids.append(token)
             sequence.logprobs.append(logprob)
             sequence.versions.append(self.version)
-            if token in sequence.request.stop_token_ids:
+            if sequence.future.cancelled():
+                finished.append((sequence, "cancelled"))
+            elif token in sequence.request.stop_token_ids:
                 finished.append((sequence, "stop"))
             elif len(sequence.token_ids) >= sequence.request.max_new_tokens:
                 finished.append((sequence, "length"))
@@ -223,8 +243,9 @@ class Engine:
         self._mask, self._positions, self._last_tokens = self._mask[keep], self._positions[keep], self._last_tokens[keep]
         self._trim_columns()
         for sequence, reason in zip(sequences, reasons):
-            self.stats["completed"] += 1
-            sequence.future.set_result(Generation(sequence.token_ids, sequence.logprobs, sequence.versions, reason))
+            if reason != "cancelled":
+                self.stats["completed"] += 1
+                sequence.future.set_result(Generation(sequence.token_ids, sequence.logprobs, sequence.versions, reason))
 
     def _append_rows(self, sequences, cache, mask, positions) -> None:
         if not self._active:

@@ -20,29 +20,17 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 from lm_human_preference_details import cli
-from lm_human_preference_details.grpo import actor, trainer
+from lm_human_preference_details.grpo import actor, streams, trainer
 from lm_human_preference_details.grpo.config import GRPOArgs, get_preset
+from lm_human_preference_details.grpo.lifetime import exit_with_parent
 from lm_human_preference_details.grpo.server import ServerError, request_json
 
 log = logging.getLogger(__name__)
 
 SERVER_START_TIMEOUT_S = 600
-
-
-def exit_with_parent() -> None:
-    """End this process when its parent dies (a killed launcher must not leave servers behind)."""
-    parent = os.getppid()
-
-    def watch():
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 def _free_port() -> int:
@@ -51,8 +39,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _role(name: str, args: GRPOArgs, server_urls: list[str], first_group: int) -> None:
-    exit_with_parent()
+def _role(name: str, args: GRPOArgs, server_urls: list[str], first_group: int, launcher: int) -> None:
+    exit_with_parent(launcher)
+    cli.quiet_transformers()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the launcher decides
     if name == "trainer":
@@ -75,12 +64,12 @@ class Run:
     def start_servers(self, model: str, version: int) -> None:
         for i in range(self.args.num_servers):
             port = _free_port()
-            log_file = open(os.path.join(self.logs, f"server-{i}.log"), "ab")
-            self.servers.append(subprocess.Popen([
-                sys.executable, "-m", "lm_human_preference_details.grpo.server", "--model", model,
-                "--port", str(port), "--threads", str(self.args.threads), "--seed", str(self.args.seed + i),
-                "--max-batch-size", str(self.args.server_batch_size), "--version", str(version), "--exit-with-parent",
-            ], stdout=log_file, stderr=subprocess.STDOUT))
+            with open(os.path.join(self.logs, f"server-{i}.log"), "ab") as log_file:  # the child keeps its own handle
+                self.servers.append(subprocess.Popen([
+                    sys.executable, "-m", "lm_human_preference_details.grpo.server", "--model", model,
+                    "--port", str(port), "--threads", str(self.args.threads), "--seed", str(self.args.seed + i),
+                    "--max-batch-size", str(self.args.server_batch_size), "--version", str(version), "--exit-with-parent",
+                ], stdout=log_file, stderr=subprocess.STDOUT))
             self.server_urls.append(f"http://127.0.0.1:{port}")
         deadline = time.monotonic() + SERVER_START_TIMEOUT_S
         for i, (process, url) in enumerate(zip(self.servers, self.server_urls)):
@@ -99,7 +88,7 @@ class Run:
     def start_roles(self, first_group: int) -> None:
         context = multiprocessing.get_context("spawn")
         for name in ("trainer", "actor"):
-            self.roles[name] = context.Process(target=_role, name=name, args=(name, self.args, self.server_urls, first_group))
+            self.roles[name] = context.Process(target=_role, name=name, args=(name, self.args, self.server_urls, first_group, os.getpid()))
             self.roles[name].start()
 
     def wait(self) -> None:
@@ -151,7 +140,13 @@ def launch(args: GRPOArgs) -> None:
     """Start everything, run to the last step, stop everything (also on failure or a signal)."""
     args.check()
     os.makedirs(args.output_dir, exist_ok=True)
-    version = trainer.checkpoint_state(args.output_dir)["version"] if args.resume else 0
+    version = 0
+    if args.resume:
+        state = trainer.checkpoint_state(args.output_dir)
+        version = state["version"]
+        # what the crashed run generated after its checkpoint came from weights that are gone
+        dropped = streams.truncate(args.stream_url(), state["stream_position"])
+        log.info("resuming at step %d; %d groups written after the checkpoint dropped", version, dropped)
     model = trainer.checkpoint_model(args.output_dir) if args.resume else args.model
     run = Run(args)
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops the children

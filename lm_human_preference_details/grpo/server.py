@@ -19,10 +19,10 @@ Malformed requests get a 4xx with the reason; the server stays up.
 """
 
 import asyncio
-import concurrent.futures
 import json
 import logging
 import os
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -35,6 +35,7 @@ import tyro
 from aiohttp import web
 
 from lm_human_preference_details.grpo.engine import Engine, GenerationRequest
+from lm_human_preference_details.grpo.lifetime import exit_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ class InferenceServer:
         self.dtype = DTYPE_NAMES[next(model.parameters()).dtype]
         self.weight_group = None
         self.announced_version = 0
-        self.receiver = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weights")
+        self.stale: str | None = None  # why the weights can no longer be updated, once they cannot
         self.requests = 0
         self.last_pause_s = 0.0
         self.started = time.time()
@@ -142,6 +143,8 @@ class InferenceServer:
         ]))
 
     async def _generate(self, prompt_ids: list[int], body: dict):
+        if self.stale:
+            raise web.HTTPServiceUnavailable(reason=self.stale)
         stop = set(_field(body, "stop_token_ids", list, [], lambda v: all(isinstance(t, int) for t in v), "a list of token ids"))
         if not _field(body, "ignore_eos", bool, False) and self.tokenizer.eos_token_id is not None:
             stop.add(self.tokenizer.eos_token_id)
@@ -210,11 +213,13 @@ class InferenceServer:
         loop = asyncio.get_running_loop()
         device = next(self.model.parameters()).device
 
-        def receive_then_swap() -> None:  # on the receiver thread: decoding goes on meanwhile
+        def receive_then_swap() -> None:  # on a receiver thread: decoding goes on meanwhile
             try:
                 tensors = receive_tensors(self.weight_group, specs, device)
-            except RuntimeError as error:
-                log.error("receiving weights version %d failed, the old weights keep serving: %s", version, error)
+            except Exception as error:  # the group is broken: no later update can arrive either
+                first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+                self.stale = f"receiving weights version {version} failed ({first_line}); this server's weights are out of date"
+                log.error(self.stale)
                 return
 
             def apply_weights() -> int:
@@ -225,7 +230,9 @@ class InferenceServer:
             pause.add_done_callback(lambda done: loop.call_soon_threadsafe(self._update_done, done))
 
         self.announced_version = version
-        self.receiver.submit(receive_then_swap)  # one thread: updates arrive and apply in order
+        # a daemon thread, so a stuck receive does not hold up shutdown; updates cannot overtake one
+        # another: the trainer announces the next only when this broadcast is through
+        threading.Thread(target=receive_then_swap, name=f"receive-v{version}", daemon=True).start()
         return web.json_response({"accepted": True, "version": version})
 
     def _update_done(self, pause) -> None:
@@ -253,6 +260,8 @@ class InferenceServer:
                     await asyncio.wait_for(self.version_changed.wait_for(lambda: self.engine.version >= version), min(timeout, 60))
                 except asyncio.TimeoutError:
                     pass
+        if self.stale:
+            return web.json_response({"status": "stale", "error": self.stale, "model_version": self.engine.version}, status=503)
         return web.json_response({"status": "ok", "model": self.model_name, "model_version": self.engine.version,
                                   "dtype": self.dtype, **self.engine.load()})
 
@@ -273,7 +282,7 @@ class InferenceServer:
         """SHA-256 of every parameter's bytes: to check that a server holds exactly the trainer's weights."""
         from lm_human_preference_details.grpo.weights import digest
 
-        digests = await asyncio.get_running_loop().run_in_executor(None, digest, self.model)
+        digests = await asyncio.wrap_future(self.engine.call_between_steps(lambda: digest(self.model)))
         return web.json_response({"model_version": self.engine.version, "digests": digests})
 
 
@@ -338,11 +347,12 @@ def load_for_inference(name_or_path: str, device: str):
 def main() -> None:
     args = tyro.cli(Args)
     if args.exit_with_parent:
-        from lm_human_preference_details.grpo.launch import exit_with_parent
-
         exit_with_parent()
     if args.threads:
         torch.set_num_threads(args.threads)
+    from lm_human_preference_details.cli import quiet_transformers
+
+    quiet_transformers()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s server %(message)s")
     model, tokenizer = load_for_inference(args.model, args.device)
     engine = Engine(model, args.max_batch_size, seed=args.seed, vocab_size=len(tokenizer))

@@ -124,6 +124,33 @@ def open_reader(url: str, start: int = 0) -> StreamReader:
             return RedisStreamReader(where, start)
 
 
+def truncate(url: str, keep: int) -> int:
+    """Drop every record after the first `keep` (a resumed run's trainer consumed `keep`; what the
+    crashed run wrote after them came from weights that are gone). Returns how many were dropped."""
+    match parse_stream_url(url):
+        case FileStreamUrl(path):
+            return _truncate_file(path, keep)
+        case RedisStreamUrl() as where:
+            client = _connect(where)
+            try:
+                with _reaching(where):
+                    ids = [entry_id for entry_id, _ in client.xrange(where.stream)][keep:]
+                    if ids:
+                        client.xdel(where.stream, *ids)
+                return len(ids)
+            finally:
+                client.close()
+
+
+def _truncate_file(path: str, keep: int) -> int:
+    if not os.path.exists(path):
+        return 0
+    with open(path, "r+b") as f:
+        lines = f.read().split(b"\n")[:-1]  # complete lines; a partial last one is never a record
+        f.truncate(sum(len(line) + 1 for line in lines[:keep]))
+    return max(0, len(lines) - keep)
+
+
 def _user_error(message: str) -> Exception:
     from ..cli import UserError  # imported here: cli loads torch and transformers (seconds), a stream needs neither
 
@@ -147,6 +174,7 @@ class FileStreamWriter:
 
     def __init__(self, path: str):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        _drop_partial_line(path)  # a writer killed mid-line: the next record must not be glued to it
         self._file = open(path, "a", encoding="utf-8")
 
     def write(self, record: dict) -> None:
@@ -159,6 +187,15 @@ class FileStreamWriter:
 
     def close(self) -> None:
         self._file.close()
+
+
+def _drop_partial_line(path: str) -> None:
+    if not os.path.exists(path) or os.path.getsize(path) == 0:
+        return
+    with open(path, "r+b") as f:
+        data = f.read()
+        if not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)
 
 
 class FileStreamReader:

@@ -26,9 +26,10 @@ import torch
 
 from lm_human_preference_details import cli
 from lm_human_preference_details.grpo.config import GRPOArgs, get_preset
+from lm_human_preference_details.grpo.server import request_json
 from lm_human_preference_details.grpo.streams import open_reader
 from lm_human_preference_details.grpo.weights import DTYPES, WeightSender
-from lm_human_preference_details.grpo_loss import group_advantages, policy_loss
+from lm_human_preference_details.grpo_loss import effective_sample_size, group_advantages, policy_loss
 from lm_human_preference_details.models import load_causal_lm
 from lm_human_preference_details.optim import make_optimizer
 from lm_human_preference_details.tracking import Tracker
@@ -95,18 +96,21 @@ def train(args: GRPOArgs, server_urls: list[str]) -> None:
 
     from lm_human_preference_details.assets import resolve_model_path
 
-    vocab_size = len(AutoTokenizer.from_pretrained(resolve_model_path(args.model)))
-    reference = load_causal_lm(args.model).requires_grad_(False) if args.kl_coef else None
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model))
+    vocab_size = len(tokenizer)
+    reference = load_causal_lm(args.model).requires_grad_(False).to(device) if args.kl_coef else None
     state = checkpoint_state(args.output_dir) if args.resume else {"version": 0, "stream_position": 0}
-    model = load_causal_lm(checkpoint_model(args.output_dir) if args.resume else args.model)
+    model = load_causal_lm(checkpoint_model(args.output_dir) if args.resume else args.model).to(device)
     optimizer = make_optimizer(args.optimizer, model.parameters(), lr=args.lr, eps=args.adam_eps)
     if args.resume:
         optimizer.load_state_dict(torch.load(os.path.join(args.output_dir, CHECKPOINT, "optimizer.pt")))
     version, stream_position = state["version"], state["stream_position"]
     tracker = Tracker(args.output_dir, args, enabled=True, wandb_mode=args.wandb_mode, project=args.wandb_project,
                       run_name=args.run_name_for(f"grpo_{args.mode}"), resume_after_step=version if args.resume else None)
-    sender = WeightSender(server_urls, backend="nccl" if torch.cuda.is_available() else "gloo")
-    server_dtype = DTYPES["bfloat16"] if torch.cuda.is_available() else None
+    sender = WeightSender(server_urls, backend="nccl" if device.type == "cuda" else "gloo", host=args.trainer_host)
+    # weights go out in the servers' dtype (bf16 on GPUs): they check it before receiving
+    server_dtype = DTYPES[request_json("GET", f"{server_urls[0]}/health")["dtype"]]
     reader = open_reader(args.stream_url(), start=stream_position)
     push_every = 1 if args.mode == "pipeline" else args.sync_steps
     started = last_step_end = None
@@ -129,6 +133,7 @@ def train(args: GRPOArgs, server_urls: list[str]) -> None:
         advantages = group_advantages(rewards, args.group_size, args.baseline, args.divide_by_std)
         stats_sum: dict[str, float] = {}
         entropy_sum = tokens = 0.0
+        ratios = []  # pi/mu of every completion token: its max and ESS are over the whole batch
         for indices in pack([len(s["prompt_ids"]) + len(s["completion_ids"]) for s in samples], args.token_budget):
             batch = batch_tensors(samples, indices, model.device)
             new_logprobs, entropy = token_logprobs(model, batch, args.temperature, vocab_size)
@@ -143,6 +148,7 @@ def train(args: GRPOArgs, server_urls: list[str]) -> None:
             for k, v in stats.items():  # token-weighted means over the micro-batches
                 stats_sum[k] = stats_sum.get(k, 0.0) + float(v) * n
             entropy_sum += float((entropy * batch["mask"]).sum())
+            ratios.append((new_logprobs.detach() - batch["behaviour"]).exp()[batch["mask"].bool()])
             tokens += n
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         optimizer.step()
@@ -173,25 +179,28 @@ def train(args: GRPOArgs, server_urls: list[str]) -> None:
             "time/wait_data_s": step_start - wait_start, "time/train_s": now - step_start - broadcast_s,
             "time/broadcast_s": broadcast_s, "time/elapsed_s": now - started, "samples": version * len(samples),
             **{k: v / tokens for k, v in stats_sum.items()},
+            "ratio/max": torch.cat(ratios).max().item(),
+            "ess": effective_sample_size(torch.cat(ratios), torch.ones(int(tokens), device=device)).item(),
         }
         tracker.log(version, metrics)
         tracker.log_samples(version, [{"problem_id": s["problem_id"], "reward": s["reward"], "completion": s.get("text", "")}
                                       for s in samples[: args.group_size]])
         log.info("step %d reward %.3f lag %.2f samples/s %.1f", version, metrics["reward/mean"], metrics["lag/mean"], metrics["samples_per_s"])
-        if args.save_interval and version % args.save_interval == 0:
-            save_checkpoint(args.output_dir, model, optimizer, version, reader.position - len(buffered))
+        if args.save_interval and (version % args.save_interval == 0 or version == args.steps):
+            save_checkpoint(args.output_dir, model, tokenizer, optimizer, version, reader.position - len(buffered))
     sender.wait()
     reader.close()
     tracker.finish()
 
 
-def save_checkpoint(output_dir: str, model, optimizer, version: int, stream_position: int) -> None:
-    """Model (a save_pretrained folder the servers can load), optimizer, version and stream position;
+def save_checkpoint(output_dir: str, model, tokenizer, optimizer, version: int, stream_position: int) -> None:
+    """Model and tokenizer (a folder the servers can load), optimizer, version and stream position;
     written beside and renamed into place, so a crash mid-save keeps the previous checkpoint."""
     path = os.path.join(output_dir, CHECKPOINT)
     tmp = path + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(os.path.join(tmp, "model"))
+    tokenizer.save_pretrained(os.path.join(tmp, "model"))
     torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
     with open(os.path.join(tmp, "state.json"), "w") as f:
         json.dump({"version": version, "stream_position": stream_position}, f)
@@ -202,11 +211,19 @@ def save_checkpoint(output_dir: str, model, optimizer, version: int, stream_posi
 
 
 def checkpoint_state(output_dir: str) -> dict:
+    _recover_interrupted_save(output_dir)
     path = os.path.join(output_dir, CHECKPOINT, "state.json")
     if not os.path.exists(path):
         raise cli.UserError(f"--resume: no checkpoint in {output_dir} (none saved yet? see --save-interval)")
     with open(path) as f:
         return json.load(f)
+
+
+def _recover_interrupted_save(output_dir: str) -> None:
+    """A save killed between its two renames leaves only `checkpoint.old`: put it back."""
+    path = os.path.join(output_dir, CHECKPOINT)
+    if not os.path.exists(path) and os.path.exists(path + ".old"):
+        os.rename(path + ".old", path)
 
 
 def checkpoint_model(output_dir: str) -> str:

@@ -1,0 +1,194 @@
+"""`grpo.launch` end to end, as a user runs it: real server, actor and trainer processes on this
+machine. Both schedules learn; lag follows the schedule; a killed server is survived; Ctrl-C,
+SIGTERM and a killed launcher leave no process behind; a killed run resumes."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+from conftest import redis_client, with_stream
+
+from lm_human_preference_details.grpo.server import request_json
+
+LAUNCH = [sys.executable, "-m", "lm_human_preference_details.grpo.launch", "--wandb-mode", "disabled"]  # --task tiny is the default
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """Every live process below `pid`, with its command line (from /proc)."""
+    children: dict[int, list[int]] = {}
+    commands: dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline") as f:
+                commands[int(entry)] = f.read().replace("\0", " ")
+        except (OSError, IndexError):
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    found, todo = {}, list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        found[child] = commands.get(child, "")
+        todo += children.get(child, [])
+    return found
+
+
+def alive(pids) -> list[int]:
+    living = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    living.append(pid)
+        except OSError:
+            pass
+    return living
+
+
+def metrics(output_dir) -> list[dict]:
+    path = os.path.join(output_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.endswith("\n")]
+
+
+class Launched:
+    """A launcher process whose descendants are recorded while it runs."""
+
+    def __init__(self, output_dir, *flags):
+        self.output_dir = str(output_dir)
+        self.log_path = os.path.join(self.output_dir + ".log")
+        self.log = open(self.log_path, "wb")
+        self.process = subprocess.Popen(LAUNCH + ["--output-dir", self.output_dir, *flags], stdout=self.log, stderr=subprocess.STDOUT)
+        self.seen: dict[int, str] = {}
+
+    def watch_until(self, condition, timeout_s=300.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            assert self.process.poll() is None or condition(), f"launcher exited early:\n{self.output()}"
+            assert time.monotonic() < deadline, f"timed out:\n{self.output()}"
+            # a process that is exiting shows an empty command line: keep the one seen before
+            self.seen.update({p: c for p, c in descendants(self.process.pid).items() if c or p not in self.seen})
+            time.sleep(0.05)
+
+    def finish(self, timeout_s=300.0) -> int:
+        self.watch_until(lambda: self.process.poll() is not None, timeout_s)
+        self.log.close()
+        return self.process.returncode
+
+    def output(self, tail: int | None = 4000) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        with open(self.log_path, errors="replace") as f:
+            return f.read()[-tail:] if tail else f.read()
+
+    def leftovers(self, grace_s=10.0) -> list[int]:
+        deadline = time.monotonic() + grace_s
+        while alive(self.seen) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return alive(self.seen)
+
+
+def success_rise(rows: list[dict], window: int = 20) -> tuple[float, float]:
+    first = sum(r["success/rate"] for r in rows[:window]) / window
+    last = sum(r["success/rate"] for r in rows[-window:]) / window
+    return first, last
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["pipeline", "sync"])
+def test_both_schedules_learn_and_leave_no_process_behind(tmp_path, mode):
+    run = Launched(tmp_path / mode, "--mode", mode, "--steps", "100")
+    assert run.finish() == 0, run.output()
+    rows = metrics(run.output_dir)
+    assert [r["step"] for r in rows] == list(range(1, 101))
+    for key in ("reward/mean", "success/rate", "lag/mean", "lag/min", "lag/max", "samples_per_s", "tokens_per_s",
+                "entropy", "ess", "time/wait_data_s", "ratio/mean"):
+        assert key in rows[0], key
+    first, last = success_rise(rows)
+    assert last > first + 0.08, (first, last)
+    servers = json.load(open(os.path.join(run.output_dir, "servers.json")))
+    (server,) = servers.values()
+    if mode == "sync":  # generate 4 steps' worth with frozen weights, then train 4 steps
+        assert [(r["lag/min"], r["lag/max"]) for r in rows] == [((s - 1) % 4, (s - 1) % 4) for s in range(1, 101)]
+        assert server["weight_updates"] == 25
+    else:  # new weights after every step; the actor runs at most 3 steps ahead
+        assert server["weight_updates"] == 100
+        assert 0.3 < sum(r["lag/mean"] for r in rows) / 100 < 3
+    assert any("grpo.server" in c for c in run.seen.values()) and len(run.seen) >= 3, run.seen
+    assert run.leftovers() == []
+
+
+@pytest.mark.slow
+def test_a_killed_server_is_survived_the_actor_retries_elsewhere(tmp_path):
+    run = Launched(tmp_path / "run", "--num-servers", "2", "--steps", "60")
+    run.watch_until(lambda: len(metrics(run.output_dir)) >= 10)
+    servers = {int(command.split("--port ")[1].split()[0]): pid for pid, command in run.seen.items() if "grpo.server" in command}
+    assert len(servers) == 2
+    port, pid = next(iter(servers.items()))
+    # kill it while it is generating, so that requests are lost in flight
+    run.watch_until(lambda: request_json("GET", f"http://127.0.0.1:{port}/health")["active"] > 0)
+    os.kill(pid, signal.SIGKILL)
+    assert run.finish() == 0, run.output()
+    assert [r["step"] for r in metrics(run.output_dir)] == list(range(1, 61))
+    log = run.output(tail=None)
+    assert "retrying elsewhere" in log and "no more weight updates to it" in log
+    assert run.leftovers() == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_the_launcher_stops_every_process(tmp_path, how):
+    run = Launched(tmp_path / "run", "--steps", "100000")
+    run.watch_until(lambda: len(metrics(run.output_dir)) >= 3)
+    run.process.send_signal(how)
+    assert run.finish(timeout_s=60) != 0
+    assert len(run.seen) >= 3 and run.leftovers() == []
+
+
+@pytest.mark.slow
+def test_a_killed_launcher_takes_its_children_down_and_the_run_resumes(tmp_path):
+    run = Launched(tmp_path / "run", "--steps", "30", "--save-interval", "5")
+    run.watch_until(lambda: len(metrics(run.output_dir)) >= 12)
+    run.process.kill()  # no cleanup code runs in the launcher: the children's watchdog must act
+    run.finish()
+    assert run.leftovers(grace_s=15) == []
+    assert json.load(open(tmp_path / "run" / "checkpoint" / "state.json"))["version"] >= 10
+
+    resumed = Launched(tmp_path / "run", "--steps", "30", "--save-interval", "5", "--resume")
+    assert resumed.finish() == 0, resumed.output()
+    assert [r["step"] for r in metrics(resumed.output_dir)] == list(range(1, 31))  # each step once
+    assert resumed.leftovers() == []
+
+
+@pytest.mark.slow
+def test_the_stream_can_be_a_redis_stream(tmp_path, redis_url):
+    url = with_stream(redis_url, f"grpo-{uuid.uuid4().hex}")
+    run = Launched(tmp_path / "run", "--steps", "10", "--stream", url)
+    assert run.finish() == 0, run.output()
+    assert len(metrics(run.output_dir)) == 10
+    client = redis_client(url)
+    entries = client.xrange(url.split("stream=")[1])
+    assert len(entries) >= 10 * 8  # 8 groups per step
+    record = json.loads(entries[0][1][b"json"])
+    assert len(record["attempts"]) == 8 and {"completion_ids", "logprobs", "versions", "reward"} <= record["attempts"][0].keys()
+    assert not os.path.exists(tmp_path / "run" / "stream.jsonl")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--batch-size", "60"], "error: --batch-size 60 must be a multiple of --group-size 8"),
+    (["--task", "nope"], "error: --task 'nope' is unknown; choose one of tiny, arith"),
+    (["--resume"], "error: --resume: no checkpoint in"),
+])
+def test_bad_arguments_are_one_line_errors(tmp_path, flags, message):
+    result = subprocess.run(LAUNCH + ["--output-dir", str(tmp_path / "run"), *flags], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith(message), result.stderr

@@ -259,3 +259,16 @@ def test_hub_failures_are_user_errors(monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", offline)
     with pytest.raises(UserError, match=r"source=math500: cannot load HuggingFaceH4/MATH-500 .*hub unreachable.*local \.json/\.jsonl"):
         load_problems("math500")
+
+
+@pytest.mark.parametrize("boxed, answer", [("7", "7"), ("007", "7"), ("-3", "-3"), ("-0", "0"), ("12", "21"), ("7", "-7"), (" 42 ", "42")])
+def test_the_integer_shortcut_agrees_with_math_verify(boxed, answer):
+    """integer_reward skips sympy for plain integers; it must say what math_verify says."""
+    import math_verify
+
+    from lm_human_preference_details.grpo.rewards import integer_reward
+
+    expected = float(math_verify.verify(math_verify.parse(f"\\boxed{{{answer}}}"), math_verify.parse(f"\\boxed{{{boxed}}}")))
+    assert integer_reward(f"so \\boxed{{{boxed}}}", answer) == expected
+    assert integer_reward("no box at all", answer) == 0.0
+    assert integer_reward("\\boxed{\\frac{1}{2}}", "0.5") is None  # math_verify decides

@@ -4,7 +4,6 @@ versions, refused updates that leave the old weights serving, bad requests that 
 
 import concurrent.futures
 import json
-import os
 import subprocess
 import sys
 import time
@@ -169,4 +168,62 @@ def test_server_binds_loopback_by_default():
     from lm_human_preference_details.grpo.server import Args
 
     assert Args().host == "127.0.0.1"
-    assert os.environ["HF_HUB_OFFLINE"] == "1"
+
+
+def test_health_long_polls_until_a_version_serves(server, trainer_side):
+    model, sender = trainer_side
+    version = request_json("GET", f"{server}/health")["model_version"]
+    start = time.monotonic()
+    assert request_json("GET", f"{server}/health?wait_for_version={version + 1}&timeout_s=0.5")["model_version"] == version
+    assert 0.4 < time.monotonic() - start < 5  # held for the timeout: no newer weights
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(request_json, "GET", f"{server}/health?wait_for_version={version + 1}&timeout_s=30")
+        time.sleep(0.2)
+        assert not waiting.done()
+        sender.push(model, version + 1)
+        assert sender.wait() == []
+        assert waiting.result(timeout=30)["model_version"] == version + 1  # answered when the update applied
+
+
+TRAINER_THAT_DIES = """
+import sys
+from lm_human_preference_details.grpo.weights import WeightGroup
+from lm_human_preference_details.grpo.server import request_json
+url, init_method, specs = sys.argv[1], sys.argv[2], sys.argv[3]
+import json, threading
+joined = threading.Thread(target=request_json, args=("POST", url + "/init_process_group",
+    {"init_method": init_method, "rank": 1, "world_size": 2, "backend": "gloo"}))
+joined.start()
+group = WeightGroup(init_method, 0, 2)
+joined.join()
+request_json("POST", url + "/request_weight_update", {"version": 1, "parameters": json.loads(specs)})
+# dies here, before broadcasting anything
+"""
+
+
+def test_a_server_whose_weight_transfer_breaks_says_so_instead_of_serving_stale_weights(model_dir, tmp_path):
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "lm_human_preference_details.grpo.server", "--model", model_dir,
+                                "--port", str(port), "--threads", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                request_json("GET", f"{url}/health", timeout_s=1)
+                break
+            except ServerError:
+                time.sleep(0.1)
+        specs = json.dumps([s.to_json() for s in parameter_specs(load_causal_lm(model_dir))])
+        subprocess.run([sys.executable, "-c", TRAINER_THAT_DIES, url, f"tcp://127.0.0.1:{free_port()}", specs], check=True, timeout=120)
+        for _ in range(600):
+            status, reply = post_raw(f"{url}/v1/completions", b'{"prompt": "1+1=", "max_tokens": 2}')
+            if status == 503:
+                break
+            time.sleep(0.1)
+        assert status == 503 and "out of date" in reply["error"]
+        with pytest.raises(ServerError) as refused:
+            request_json("GET", f"{url}/health")
+        assert refused.value.status == 503
+    finally:
+        process.terminate()
+        process.wait(timeout=30)

@@ -120,7 +120,7 @@ class Actor:
 
     async def _group(self, session, writer, problem: Problem) -> None:
         prompt_ids, choices = await self._complete(session, problem)
-        texts = [choice["text"] for choice in choices]
+        texts = [choice["text"] if "text" in choice else choice["message"]["content"] for choice in choices]  # completions or chat
         completions = [self.args.answer_prefix + t for t in texts]
         rewards = [integer_reward(c, problem.answer) for c in completions]
         if None in rewards:  # math_verify's timeout is a SIGALRM: it needs a main thread, hence a process

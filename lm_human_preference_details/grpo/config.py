@@ -25,15 +25,19 @@ class GRPOArgs(RunArgs):
     """`sync` mode: optimizer steps per generation round (G)"""
     steps_ahead: int = 3
     """`pipeline` mode: the actor starts groups for at most this many optimizer steps beyond the
-    servers' weights (bounds the lag: mean lag about steps_ahead - 1.2 on `tiny`; 1 leaves the
+    servers' weights (bounds the lag: mean lag about steps_ahead - 1.3 on `tiny`; 1 leaves the
     servers idle while the trainer steps)"""
 
     # problems and model
     model: str = "tiny-math"
     """model name or folder, for the servers and the trainer alike"""
     problems: str = "tiny-sums"
-    """`tiny-sums` (a+b, digits 0-4, for `tiny-math`), `arith` (2-digit arithmetic), `gsm8k`,
+    """`tiny-sums` (a+b, digits 0-4, for `tiny-math`), `arith` (arithmetic, see arith_digits), `gsm8k`,
     `math500`, or a local JSON/JSONL file (GSM8K, MATH-500, Open-Reasoner-Zero or prompt/answer records)"""
+    arith_digits: int = 2
+    """`arith` problems: digits per operand"""
+    arith_template: str = "What is {expression}? Put the final answer in \\boxed{{}}."
+    """`arith` problems: the prompt, `{expression}` filled in (e.g. `23+45`)"""
     num_problems: int = 0
     """use the first N problems (0: all)"""
     answer_prefix: str = ""
@@ -132,12 +136,15 @@ class GRPOArgs(RunArgs):
 
 PRESETS: dict[str, GRPOArgs] = {
     # learns in a minute on a CPU: the format-taught tiny model, sums of two digits 0-4 (25 problems)
+    # (the tiny model is cheap to run: a server batch of 256 amortises each decode step's overhead)
     "tiny": GRPOArgs(preset="tiny", model="tiny-math", problems="tiny-sums", answer_prefix="\\boxed{",
-                     group_size=8, batch_size=64, max_tokens=6, steps=100, lr=5e-4),
-    # a real pretrained LM (SmolLM2-135M-Instruct, offline) on 2-digit arithmetic through its chat template
-    "arith": GRPOArgs(preset="arith", model="smollm2-135m", problems="arith", chat=True, group_size=8,
-                      batch_size=32, max_tokens=128, steps=40, lr=1e-6, num_problems=512, token_budget=8192,
-                      max_in_flight=8, server_batch_size=32),
+                     group_size=8, batch_size=64, max_tokens=6, steps=100, lr=5e-4, steps_ahead=4,
+                     server_batch_size=256),
+    # a real pretrained LM (SmolLM2-135M-Instruct, offline) completing `4+5=\boxed{`: about 3% right at
+    # the start; sized for a GPU (on 2 CPU cores a step takes about 10 s)
+    "arith": GRPOArgs(preset="arith", model="smollm2-135m", problems="arith", arith_digits=1,
+                      arith_template="{expression}=\\boxed{{", answer_prefix="\\boxed{", group_size=8, batch_size=32,
+                      max_tokens=8, steps=40, lr=1e-5, num_problems=512, max_in_flight=8, server_batch_size=64),
 }
 
 
@@ -162,7 +169,8 @@ def load_task_problems(args: GRPOArgs) -> list:
     if args.problems == "tiny-sums":
         problems = tiny_sums()
     elif args.problems == "arith":
-        problems = rewards.arithmetic_problems(count=args.num_problems or 1000, seed=args.seed, digits=2)
+        problems = rewards.arithmetic_problems(count=args.num_problems or 1000, seed=args.seed, digits=args.arith_digits,
+                                               template=args.arith_template)
     else:
         problems = rewards.load_problems(args.problems, limit=args.num_problems or None)
     if args.num_problems:

@@ -34,6 +34,7 @@ import torch
 import tyro
 from aiohttp import web
 
+from lm_human_preference_details.cli import quiet_transformers
 from lm_human_preference_details.grpo.engine import Engine, GenerationRequest
 from lm_human_preference_details.grpo.lifetime import exit_with_parent
 
@@ -350,8 +351,6 @@ def main() -> None:
         exit_with_parent()
     if args.threads:
         torch.set_num_threads(args.threads)
-    from lm_human_preference_details.cli import quiet_transformers
-
     quiet_transformers()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s server %(message)s")
     model, tokenizer = load_for_inference(args.model, args.device)

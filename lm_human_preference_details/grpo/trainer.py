@@ -9,7 +9,8 @@ then pushes the new weights into the inference servers.
         loss: REINFORCE with the importance ratio pi/mu capped above (or PPO-clip), optional k3 KL,
               summed over tokens and divided by the number of sequences; backward per micro-batch
         clip the gradient norm, optimizer step, version += 1
-        pipeline: broadcast the weights to every server now; sync: every `sync_steps` steps
+        pipeline: push the weights to every server now (sent while the next step runs); sync: every
+        `sync_steps` steps
         log reward, success rate, lag (trainer version - token version), throughput, entropy, ESS
 
 Run alone against servers and an actor already running:
@@ -156,11 +157,11 @@ def train(args: GRPOArgs, server_urls: list[str]) -> None:
         trained_version = version  # the weights the gradient was taken at
         version += 1
 
-        broadcast_s = 0.0
+        push_s = 0.0
         if version % push_every == 0 or version == args.steps:
-            broadcast_start = time.perf_counter()
+            push_start = time.perf_counter()
             dropped = sender.push(model, version, dtype=server_dtype)
-            broadcast_s = time.perf_counter() - broadcast_start
+            push_s = time.perf_counter() - push_start
             if dropped:
                 log.warning("servers dropped from weight updates: %s", dropped)
         now = time.perf_counter()
@@ -176,8 +177,8 @@ def train(args: GRPOArgs, server_urls: list[str]) -> None:
             "lag/min": lag.min().item(), "lag/mean": lag.float().mean().item(), "lag/max": lag.max().item(),
             "samples_per_s": len(samples) / interval, "tokens_per_s": completion_tokens / interval,
             "entropy": entropy_sum / tokens, "grad_norm": grad_norm.item(), "completion/length": completion_tokens / len(samples),
-            "time/wait_data_s": step_start - wait_start, "time/train_s": now - step_start - broadcast_s,
-            "time/broadcast_s": broadcast_s, "time/elapsed_s": now - started, "samples": version * len(samples),
+            "time/wait_data_s": step_start - wait_start, "time/train_s": now - step_start - push_s,
+            "time/push_s": push_s, "time/broadcast_s": sender.last_broadcast_s, "time/elapsed_s": now - started, "samples": version * len(samples),
             **{k: v / tokens for k, v in stats_sum.items()},
             "ratio/max": torch.cat(ratios).max().item(),
             "ess": effective_sample_size(torch.cat(ratios), torch.ones(int(tokens), device=device)).item(),

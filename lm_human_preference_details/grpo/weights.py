@@ -12,6 +12,7 @@ import datetime
 import hashlib
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
@@ -128,41 +129,54 @@ class WeightSender:
                 raise built["error"]
             self.groups[url] = built["group"]
         self.timeout_s = timeout_s
-        self._in_flight: dict[str, list] = {}
-        self._snapshot: list[torch.Tensor] = []
+        self._sending: threading.Thread | None = None
+        self._dropped: list[str] = []
+        self._refused: ServerError | None = None
+        self.last_broadcast_s = 0.0  # announce to received, of the last push that completed
 
     def push(self, model: torch.nn.Module, version: int, dtype: torch.dtype | None = None) -> list[str]:
-        """Announce the update to every live server, snapshot the parameters and start broadcasting
-        them; returns without waiting, so the next optimizer step overlaps the transfer (the snapshot
-        keeps it consistent). Waits for the previous push first. Returns the servers dropped because
-        they could not be reached; a refused update raises (trainer and servers disagree)."""
+        """Snapshot the parameters and send them in the background (announce to every live server,
+        then one broadcast per tensor), so the next optimizer step overlaps the transfer. Waits for
+        the previous push first: returns the servers it dropped (unreachable), and raises if a server
+        refused it (trainer and servers disagree about the model)."""
         dropped = self.wait()
         specs = parameter_specs(model, dtype)
+        with torch.no_grad():
+            snapshot = [p.detach().to(dtype or p.dtype, copy=True) for _, p in model.named_parameters()]
+        self._sending = threading.Thread(target=self._send, args=(specs, snapshot, version), name=f"push-v{version}", daemon=True)
+        self._sending.start()
+        return dropped
+
+    def wait(self) -> list[str]:
+        """Wait until the last push has reached every server; returns the servers dropped meanwhile."""
+        if self._sending is not None:
+            self._sending.join()
+            self._sending = None
+        if self._refused is not None:
+            refused, self._refused = self._refused, None
+            raise refused
+        dropped, self._dropped = self._dropped, []
+        return dropped
+
+    def _send(self, specs: list[ParameterSpec], snapshot: list[torch.Tensor], version: int) -> None:
+        start = time.perf_counter()
         payload = {"version": version, "parameters": [s.to_json() for s in specs]}
         for url in list(self.groups):
             try:
                 request_json("POST", f"{url}/request_weight_update", payload, timeout_s=self.timeout_s)
             except ServerError as error:
                 if error.status is not None:
-                    raise
-                dropped.append(self._drop(url, error))
-        with torch.no_grad():
-            snapshot = [p.detach().to(dtype or p.dtype, copy=True) for _, p in model.named_parameters()]
-        self._in_flight = {url: [group.broadcast(t) for t in snapshot] for url, group in self.groups.items()}
-        self._snapshot = snapshot  # alive until the broadcasts finish
-        return dropped
-
-    def wait(self) -> list[str]:
-        """Wait until the last push has reached every server; returns the servers dropped meanwhile."""
-        dropped = []
-        for url, works in self._in_flight.items():
+                    self._refused = error
+                    return
+                self._dropped.append(self._drop(url, error))
+        works = {url: [group.broadcast(t) for t in snapshot] for url, group in self.groups.items()}
+        for url, url_works in works.items():
             try:
-                for work in works:
+                for work in url_works:
                     work.wait()
             except RuntimeError as error:
-                dropped.append(self._drop(url, error))
-        self._in_flight, self._snapshot = {}, []
-        return dropped
+                self._dropped.append(self._drop(url, error))
+        self.last_broadcast_s = time.perf_counter() - start
 
     def _drop(self, url: str, error: Exception) -> str:
         log.warning("server %s failed (%s): no more weight updates to it", url, error)

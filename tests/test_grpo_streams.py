@@ -207,3 +207,30 @@ def test_unreachable_redis_names_the_url_and_the_fix():
     with pytest.raises(StreamConnectionError) as e:
         open_reader(url)
     assert url in str(e.value) and f"redis-server --port {port}" in str(e.value)
+
+
+def test_truncate_keeps_the_first_records_and_a_new_writer_continues(url):
+    from lm_human_preference_details.grpo.streams import truncate
+
+    writer = open_writer(url)
+    for i in range(10):
+        writer.write({"i": i})
+    writer.close()
+    assert truncate(url, 4) == 6
+    writer = open_writer(url)
+    writer.write({"i": "after"})
+    writer.close()
+    reader = open_reader(url)
+    assert [r["i"] for r in reader.read(100, timeout_s=0.5)] == [0, 1, 2, 3, "after"]
+    reader.close()
+    assert truncate(url, 0) == 5  # a new run starts from an empty stream
+
+
+def test_file_writer_drops_a_line_its_predecessor_left_half_written(tmp_path):
+    path = tmp_path / "s.jsonl"
+    path.write_text('{"i": 0}\n{"i": 1, "cut sho')
+    writer = open_writer(str(path))
+    writer.write({"i": 2})
+    writer.close()
+    reader = open_reader(str(path))
+    assert [r["i"] for r in reader.read(10, timeout_s=0.2)] == [0, 2]

@@ -61,7 +61,6 @@ class Actor:
         self.servers = [ServerState(url.rstrip("/")) for url in server_urls]
         self.problems = problems
         self.lookahead = args.steps_ahead if args.mode == "pipeline" else args.sync_steps
-        self.retries = 0
         self._changed: asyncio.Condition | None = None
         self._failure: BaseException | None = None
         self._verifier: concurrent.futures.Executor | None = None
@@ -161,7 +160,6 @@ class Actor:
             finally:
                 await self._release_server(server)
             server.down_until = time.monotonic() + RETRY_AFTER_S
-            self.retries += 1
             log.warning("request to %s failed (%s): retrying elsewhere (%d)", server.url, reason, attempt + 1)
         raise ActorError(f"a completion failed {MAX_ATTEMPTS_PER_REQUEST} times; last error: {reason}")
 

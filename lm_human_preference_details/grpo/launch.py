@@ -145,13 +145,13 @@ def launch(args: GRPOArgs) -> None:
     """Start everything, run to the last step, stop everything (also on failure or a signal)."""
     args.check()
     os.makedirs(args.output_dir, exist_ok=True)
-    version = 0
-    if args.resume:
-        state = trainer.checkpoint_state(args.output_dir)
-        version = state["version"]
-        # what the crashed run generated after its checkpoint came from weights that are gone
-        dropped = streams.truncate(args.stream_url(), state["stream_position"])
-        log.info("resuming at step %d; %d groups written after the checkpoint dropped", version, dropped)
+    state = trainer.checkpoint_state(args.output_dir) if args.resume else {"version": 0, "stream_position": 0}
+    version = state["version"]
+    # a new run starts from an empty stream (an earlier run's samples are not ours); a resumed run
+    # drops what the crashed run generated after its checkpoint, from weights that are gone
+    dropped = streams.truncate(args.stream_url(), state["stream_position"])
+    if dropped:
+        log.info("starting at step %d: %d groups of the stream dropped", version, dropped)
     model = trainer.checkpoint_model(args.output_dir) if args.resume else args.model
     run = Run(args)
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops the children

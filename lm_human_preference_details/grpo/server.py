@@ -22,6 +22,7 @@ import asyncio
 import json
 import logging
 import os
+import sys
 import threading
 import time
 import urllib.error
@@ -41,6 +42,10 @@ from lm_human_preference_details.grpo.lifetime import exit_with_parent
 log = logging.getLogger(__name__)
 
 MAX_CHOICES = 64
+# A thread waiting on a broadcast gets the GIL back only when the thread holding it gives it up, by
+# default after 5 ms: with a decode loop (server) or a training step (trainer) holding it, each of the
+# per-tensor broadcasts would wait that long. Processes that take part in weight updates switch faster.
+GIL_SWITCH_INTERVAL_S = 0.0002
 
 
 class ServerError(RuntimeError):
@@ -351,6 +356,7 @@ def main() -> None:
         exit_with_parent()
     if args.threads:
         torch.set_num_threads(args.threads)
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     quiet_transformers()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s server %(message)s")
     model, tokenizer = load_for_inference(args.model, args.device)

@@ -21,13 +21,14 @@ import json
 import logging
 import os
 import shutil
+import sys
 import time
 
 import torch
 
 from lm_human_preference_details import cli
 from lm_human_preference_details.grpo.config import GRPOArgs, get_preset
-from lm_human_preference_details.grpo.server import request_json
+from lm_human_preference_details.grpo.server import GIL_SWITCH_INTERVAL_S, request_json
 from lm_human_preference_details.grpo.streams import open_reader
 from lm_human_preference_details.grpo.weights import DTYPES, WeightSender
 from lm_human_preference_details.grpo_loss import effective_sample_size, group_advantages, policy_loss
@@ -55,23 +56,20 @@ def pack(lengths: list[int], token_budget: int) -> list[list[int]]:
 
 
 def batch_tensors(samples: list[dict], indices: list[int], device) -> dict[str, torch.Tensor]:
-    """Right-padded prompt+completion ids, attention mask, and per target position (the token at
-    t+1 predicted at t): completion mask, behaviour logprobs, weight versions."""
+    """Right-padded prompt+completion ids and attention mask, and per target position (the token at
+    t+1 predicted at t) the completion mask and the behaviour logprobs."""
     rows = [samples[i] for i in indices]
     length = max(len(s["prompt_ids"]) + len(s["completion_ids"]) for s in rows)
-    ids = torch.zeros(len(rows), length, dtype=torch.long)
-    attention = torch.zeros_like(ids)
-    completion = torch.zeros(len(rows), length - 1)
-    behaviour = torch.zeros(len(rows), length - 1)
-    versions = torch.zeros(len(rows), length - 1, dtype=torch.long)
-    for r, s in enumerate(rows):
+    ids, attention, completion, behaviour = [], [], [], []
+    for s in rows:  # plain lists, one tensor per field: a tensor per row costs more than the model on tiny
         p, c = len(s["prompt_ids"]), len(s["completion_ids"])
-        ids[r, : p + c] = torch.tensor(s["prompt_ids"] + s["completion_ids"])
-        attention[r, : p + c] = 1
-        completion[r, p - 1 : p + c - 1] = 1
-        behaviour[r, p - 1 : p + c - 1] = torch.tensor(s["logprobs"])
-        versions[r, p - 1 : p + c - 1] = torch.tensor(s["versions"])
-    tensors = dict(input_ids=ids, attention_mask=attention, mask=completion, behaviour=behaviour, versions=versions)
+        pad = length - p - c
+        ids.append(s["prompt_ids"] + s["completion_ids"] + [0] * pad)
+        attention.append([1] * (p + c) + [0] * pad)
+        completion.append([0.0] * (p - 1) + [1.0] * c + [0.0] * pad)
+        behaviour.append([0.0] * (p - 1) + s["logprobs"] + [0.0] * pad)
+    tensors = dict(input_ids=torch.tensor(ids), attention_mask=torch.tensor(attention),
+                   mask=torch.tensor(completion), behaviour=torch.tensor(behaviour))
     return {k: v.to(device) for k, v in tensors.items()}
 
 
@@ -93,6 +91,7 @@ def flatten_groups(groups: list[dict]) -> list[dict]:
 def train(args: GRPOArgs, server_urls: list[str]) -> None:
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     from transformers import AutoTokenizer
 
     from lm_human_preference_details.assets import resolve_model_path

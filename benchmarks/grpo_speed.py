@@ -71,7 +71,7 @@ def time_weight_updates(model: str, updates: int) -> dict:
     """A real server generating at full batch; the trainer side pushes `updates` new versions."""
     import torch
 
-    from lm_human_preference_details.grpo.server import ServerError, request_json
+    from lm_human_preference_details.grpo.server import request_json, wait_until_serving
     from lm_human_preference_details.grpo.weights import WeightSender
     from lm_human_preference_details.models import load_causal_lm
 
@@ -81,13 +81,7 @@ def time_weight_updates(model: str, updates: int) -> dict:
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(3000):
-            try:
-                request_json("GET", f"{url}/health", timeout_s=1)
-                break
-            except ServerError:
-                assert server.poll() is None, f"the {model} server exited"
-                time.sleep(0.2)
+        wait_until_serving(url, server)
         trainer_model = load_causal_lm(model)
         sender = WeightSender([url])
         busy = threading.Event()

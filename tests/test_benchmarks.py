@@ -1,6 +1,7 @@
 """benchmarks/learning_curves.py in a seconds-long smoke mode: real runs of the stage, CSV and PNGs."""
 
 import csv
+import json
 import importlib.util
 import os
 import subprocess
@@ -42,3 +43,19 @@ def test_mean_std_by_step():
     curves = load_script("learning_curves")
     rows = [{"step": 1, "value": 1.0}, {"step": 1, "value": 3.0}, {"step": 2, "value": 5.0}]
     assert curves.mean_std_by_step(rows) == ([1, 2], [2.0, 5.0], [1.0, 0.0])
+
+
+@pytest.mark.slow
+def test_grpo_speed_runs_both_schedules_and_times_an_update(tmp_path):
+    out = tmp_path / "speed"
+    load_script("grpo_speed").main(["--steps", "6", "--repeats", "1", "--sync-steps", "4", "--update-models", "tiny-math",
+                                    "--updates", "2", "--out-dir", str(out)])
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["runs"]) == {"pipeline", "sync G=4"}
+    for (run,) in results["runs"].values():
+        assert run["samples_per_s"] > 0 and run["tokens_per_s"] > 0
+    assert results["runs"]["sync G=4"][0]["lag_mean"] == pytest.approx(7 / 6)  # lags 0, 1, 2, 3 then 0, 1
+    (update,) = results["updates"]
+    assert update["model"] == "tiny-math" and update["tensors"] == 28 and update["broadcast_s"] > 0 and update["pause_s"] > 0
+    table = (out / "results.md").read_text()
+    assert "| pipeline |" in table and "| sync G=4 |" in table and "| tiny-math |" in table

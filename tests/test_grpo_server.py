@@ -14,7 +14,7 @@ import torch
 from conftest import free_port
 
 from lm_human_preference_details.assets import resolve_model_path
-from lm_human_preference_details.grpo.server import ServerError, request_json
+from lm_human_preference_details.grpo.server import ServerError, request_json, wait_until_serving
 from lm_human_preference_details.grpo.weights import WeightSender, digest, parameter_specs
 from lm_human_preference_details.models import load_causal_lm
 
@@ -43,13 +43,7 @@ def server(model_dir, tmp_path_factory):
          "--threads", "1", "--max-batch-size", "8"], stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(600):
-            assert process.poll() is None, "the server exited at start"
-            try:
-                request_json("GET", f"{url}/health", timeout_s=1)
-                break
-            except ServerError:
-                time.sleep(0.1)
+        wait_until_serving(url, process)
         yield url
     finally:
         process.terminate()
@@ -207,12 +201,7 @@ def test_a_server_whose_weight_transfer_breaks_says_so_instead_of_serving_stale_
                                 "--port", str(port), "--threads", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(600):
-            try:
-                request_json("GET", f"{url}/health", timeout_s=1)
-                break
-            except ServerError:
-                time.sleep(0.1)
+        wait_until_serving(url, process)
         specs = json.dumps([s.to_json() for s in parameter_specs(load_causal_lm(model_dir))])
         subprocess.run([sys.executable, "-c", TRAINER_THAT_DIES, url, f"tcp://127.0.0.1:{free_port()}", specs], check=True, timeout=120)
         for _ in range(600):

@@ -26,7 +26,7 @@ from lm_human_preference_details import cli
 from lm_human_preference_details.grpo import actor, streams, trainer
 from lm_human_preference_details.grpo.config import GRPOArgs, get_preset
 from lm_human_preference_details.grpo.lifetime import exit_with_parent
-from lm_human_preference_details.grpo.server import ServerError, request_json
+from lm_human_preference_details.grpo.server import ServerError, request_json, wait_until_serving
 
 log = logging.getLogger(__name__)
 
@@ -76,18 +76,11 @@ class Run:
                     "--max-batch-size", str(self.args.server_batch_size), "--version", str(version), "--exit-with-parent",
                 ], stdout=log_file, stderr=subprocess.STDOUT, preexec_fn=lambda: os.nice(GENERATION_NICENESS)))
             self.server_urls.append(f"http://127.0.0.1:{port}")
-        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
         for i, (process, url) in enumerate(zip(self.servers, self.server_urls)):
-            while True:
-                if process.poll() is not None:
-                    raise RuntimeError(f"server {i} exited with status {process.returncode}; see {self.logs}/server-{i}.log")
-                try:
-                    request_json("GET", f"{url}/health", timeout_s=2)
-                    break
-                except ServerError:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"server {i} did not answer within {SERVER_START_TIMEOUT_S} s") from None
-                    time.sleep(0.2)
+            try:
+                wait_until_serving(url, process, SERVER_START_TIMEOUT_S)
+            except RuntimeError as error:
+                raise RuntimeError(f"server {i}: {error}; see {self.logs}/server-{i}.log") from None
         log.info("servers up: %s", " ".join(self.server_urls))
 
     def start_roles(self, first_group: int) -> None:

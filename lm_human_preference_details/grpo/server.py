@@ -69,6 +69,22 @@ def request_json(method: str, url: str, payload: dict | None = None, timeout_s: 
         raise ServerError(f"{method} {url}: {error}") from None
 
 
+def wait_until_serving(url: str, process, timeout_s: float = 600) -> None:
+    """Until the server at `url` answers /health; RuntimeError if its `process` (a Popen) exits first
+    or `timeout_s` passes (loading a model can take minutes)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server for {url} exited with status {process.returncode}")
+        try:
+            request_json("GET", f"{url}/health", timeout_s=2)
+            return
+        except ServerError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the server for {url} did not answer within {timeout_s:.0f} s") from None
+            time.sleep(0.1)
+
+
 class BadRequest(ValueError):
     pass
 

@@ -2,6 +2,7 @@
 
     python benchmarks/learning_curves.py --task tiny --seeds 1 2 3 --out-dir benchmarks/results/tiny
     python benchmarks/learning_curves.py --task tiny --seeds 1 2 3 --out-dir runs/curves -- --ppo.optimizer adam_torch
+    python benchmarks/learning_curves.py --stage grpo.launch --task tiny --seeds 1 2 3 --out-dir runs/grpo-curves -- --mode sync
 
 Flags after `--` go to the stage script unchanged. Writes `<out-dir>/seed_<s>/` (each run),
 `<out-dir>/curves.csv` in the long format (step, metric, value, seed, source) and one PNG per metric.
@@ -22,6 +23,7 @@ DEFAULT_METRICS = (
     "objective/scores", "objective/kl", "objective/kl_coef", "objective/labeler_score",
     "ppo/policy/clipfrac", "ppo/policy/approxkl",
 )
+GRPO_METRICS = ("reward/mean", "success/rate", "lag/mean", "entropy", "ess", "samples_per_s")
 
 
 @dataclass
@@ -30,10 +32,10 @@ class Args:
     """preset of tasks.py"""
     seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
     """one run per seed"""
-    stage: Literal["train_policy", "train_reward"] = "train_policy"
+    stage: Literal["train_policy", "train_reward", "grpo.launch"] = "train_policy"
     """the stage script to run"""
-    metrics: list[str] = field(default_factory=lambda: list(DEFAULT_METRICS))
-    """metrics to plot (those a run does not log are skipped)"""
+    metrics: list[str] = field(default_factory=list)
+    """metrics to plot (those a run does not log are skipped; default: the stage's main ones)"""
     out_dir: str = "runs/curves"
     """where the runs, curves.csv and the PNGs go"""
     baseline: str | None = None
@@ -107,6 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     stage_flags = argv[argv.index("--") + 1 :] if "--" in argv else []
     args = tyro.cli(Args, args=argv[: argv.index("--")] if "--" in argv else argv)
+    args.metrics = args.metrics or list(GRPO_METRICS if args.stage == "grpo.launch" else DEFAULT_METRICS)
     os.makedirs(args.out_dir, exist_ok=True)
     source = f"{args.task} {' '.join(stage_flags)}".strip()
     rows = [row for seed in args.seeds for row in long_rows(run_seed(args, seed, stage_flags), seed, args.metrics, source)]

@@ -59,3 +59,15 @@ def test_grpo_speed_runs_both_schedules_and_times_an_update(tmp_path):
     assert update["model"] == "tiny-math" and update["tensors"] == 28 and update["broadcast_s"] > 0 and update["pause_s"] > 0
     table = (out / "results.md").read_text()
     assert "| pipeline |" in table and "| sync G=4 |" in table and "| tiny-math |" in table
+
+
+@pytest.mark.slow
+def test_learning_curves_of_the_grpo_stage(tmp_path):
+    out = tmp_path / "grpo"
+    load_script("learning_curves").main(["--stage", "grpo.launch", "--task", "tiny", "--seeds", "1", "--out-dir", str(out),
+                                         "--", "--steps", "3"])
+    with open(out / "curves.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {(r["metric"], r["step"]) for r in rows if r["metric"] in ("success/rate", "lag/mean")} == {
+        (m, s) for m in ("success/rate", "lag/mean") for s in "123"}
+    assert (out / "success_rate.png").read_bytes()[:4] == b"\x89PNG"

@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 SERVER_START_TIMEOUT_S = 600
 # servers and actor yield the CPU to the trainer when they share cores: in pipeline mode the trainer
 # is the critical path and generation has slack (in sync mode they never run at once)
-GENERATION_NICENESS = 5
+GENERATION_NICENESS = 15
 
 
 def _free_port() -> int:

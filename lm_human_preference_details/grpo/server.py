@@ -22,6 +22,7 @@ import asyncio
 import json
 import logging
 import os
+import queue
 import sys
 import threading
 import time
@@ -108,6 +109,10 @@ class InferenceServer:
         self.weight_group = None
         self.announced_version = 0
         self.stale: str | None = None  # why the weights can no longer be updated, once they cannot
+        # one receiver thread, so updates are received and swapped in the order announced (the
+        # broadcasts are issued in that order); a daemon, so a stuck receive does not hold up shutdown
+        self.receives: queue.Queue = queue.Queue()
+        threading.Thread(target=_run_forever, args=(self.receives,), name="weights-receiver", daemon=True).start()
         self.requests = 0
         self.last_pause_s = 0.0
         self.started = time.time()
@@ -252,9 +257,7 @@ class InferenceServer:
             pause.add_done_callback(lambda done: loop.call_soon_threadsafe(self._update_done, done))
 
         self.announced_version = version
-        # a daemon thread, so a stuck receive does not hold up shutdown; updates cannot overtake one
-        # another: the trainer announces the next only when this broadcast is through
-        threading.Thread(target=receive_then_swap, name=f"receive-v{version}", daemon=True).start()
+        self.receives.put(receive_then_swap)
         return web.json_response({"accepted": True, "version": version})
 
     def _update_done(self, pause) -> None:
@@ -306,6 +309,11 @@ class InferenceServer:
 
         digests = await asyncio.wrap_future(self.engine.call_between_steps(lambda: digest(self.model)))
         return web.json_response({"model_version": self.engine.version, "digests": digests})
+
+
+def _run_forever(calls: queue.Queue) -> None:
+    while True:
+        calls.get()()
 
 
 async def _json_body(request: web.Request) -> dict:

@@ -11,6 +11,7 @@ them against its model before anything is received, then the trainer broadcasts 
 import datetime
 import hashlib
 import logging
+import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -129,34 +130,50 @@ class WeightSender:
                 raise built["error"]
             self.groups[url] = built["group"]
         self.timeout_s = timeout_s
-        self._sending: threading.Thread | None = None
+        self._queue: queue.Queue = queue.Queue(maxsize=1)  # snapshots waiting for the sender thread
+        self._lock = threading.Lock()
         self._dropped: list[str] = []
         self._refused: ServerError | None = None
         self.last_broadcast_s = 0.0  # announce to received, of the last push that completed
+        threading.Thread(target=self._send_forever, name="weight-sender", daemon=True).start()
 
     def push(self, model: torch.nn.Module, version: int, dtype: torch.dtype | None = None) -> list[str]:
-        """Snapshot the parameters and send them in the background (announce to every live server,
-        then one broadcast per tensor), so the next optimizer step overlaps the transfer. Waits for
-        the previous push first: returns the servers it dropped (unreachable), and raises if a server
-        refused it (trainer and servers disagree about the model)."""
-        dropped = self.wait()
+        """Snapshot the parameters and hand them to the sender thread (announce to every live server,
+        then one broadcast per tensor), so the next optimizer step overlaps the transfer. Blocks only
+        while an earlier snapshot still waits its turn (one is sent, one may wait). Returns the servers
+        dropped so far (unreachable); raises if a server refused an update (trainer and servers
+        disagree about the model)."""
+        self._raise_if_refused()
         specs = parameter_specs(model, dtype)
         with torch.no_grad():
             snapshot = [p.detach().to(dtype or p.dtype, copy=True) for _, p in model.named_parameters()]
-        self._sending = threading.Thread(target=self._send, args=(specs, snapshot, version), name=f"push-v{version}", daemon=True)
-        self._sending.start()
-        return dropped
+        self._queue.put((specs, snapshot, version))
+        return self._take_dropped()
 
     def wait(self) -> list[str]:
-        """Wait until the last push has reached every server; returns the servers dropped meanwhile."""
-        if self._sending is not None:
-            self._sending.join()
-            self._sending = None
+        """Wait until every push has reached every server; returns the servers dropped meanwhile."""
+        self._queue.join()
+        self._raise_if_refused()
+        return self._take_dropped()
+
+    def _raise_if_refused(self) -> None:
         if self._refused is not None:
             refused, self._refused = self._refused, None
             raise refused
-        dropped, self._dropped = self._dropped, []
+
+    def _take_dropped(self) -> list[str]:
+        with self._lock:
+            dropped, self._dropped = self._dropped, []
         return dropped
+
+    def _send_forever(self) -> None:
+        while True:
+            specs, snapshot, version = self._queue.get()
+            try:
+                if self._refused is None:  # after a refusal nothing more is sent
+                    self._send(specs, snapshot, version)
+            finally:
+                self._queue.task_done()
 
     def _send(self, specs: list[ParameterSpec], snapshot: list[torch.Tensor], version: int) -> None:
         start = time.perf_counter()
@@ -168,19 +185,21 @@ class WeightSender:
                 if error.status is not None:
                     self._refused = error
                     return
-                self._dropped.append(self._drop(url, error))
+                self._drop(url, error)
         works = {url: [group.broadcast(t) for t in snapshot] for url, group in self.groups.items()}
         for url, url_works in works.items():
             try:
                 for work in url_works:
                     work.wait()
             except RuntimeError as error:
-                self._dropped.append(self._drop(url, error))
+                self._drop(url, error)
         self.last_broadcast_s = time.perf_counter() - start
 
     def _drop(self, url: str, error: Exception) -> str:
         log.warning("server %s failed (%s): no more weight updates to it", url, error)
         del self.groups[url]
+        with self._lock:
+            self._dropped.append(url)
         return url
 
 

@@ -72,10 +72,10 @@ def time_weight_updates(model: str, updates: int) -> dict:
     import torch
 
     from lm_human_preference_details.grpo.server import request_json, wait_until_serving
-    from lm_human_preference_details.grpo.weights import WeightSender
+    from lm_human_preference_details.grpo.weights import WeightSender, free_port
     from lm_human_preference_details.models import load_causal_lm
 
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "lm_human_preference_details.grpo.server", "--model", model,
                                "--port", str(port), "--threads", "1", "--max-batch-size", "16"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -123,14 +123,6 @@ def _keep_generating(url: str, stop: threading.Event) -> None:
     with ThreadPoolExecutor(4) as pool:
         for _ in range(4):
             pool.submit(one)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def markdown(args: Args, runs: dict[str, list[dict]], updates: list[dict]) -> str:

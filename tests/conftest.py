@@ -2,13 +2,14 @@
 
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import pytest
+
+from lm_human_preference_details.grpo.weights import free_port  # noqa: F401 (tests import it from here)
 
 _root = tempfile.mkdtemp(prefix="lmhpd-tests-")
 os.environ.update(
@@ -24,13 +25,6 @@ os.environ.update(
     TOKENIZERS_PARALLELISM="false",
 )
 os.environ.pop("WANDB_API_KEY", None)
-
-
-def free_port() -> int:
-    """A port nothing listens on (the OS just handed it out and it was closed again)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def with_stream(url: str, name: str) -> str:

@@ -16,6 +16,7 @@ Run alone: `python -m lm_human_preference_details.grpo.actor --task tiny --serve
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -39,7 +40,7 @@ MAX_ATTEMPTS_PER_REQUEST = 20
 
 
 class ActorError(RuntimeError):
-    pass
+    """A request the servers refused, or one that failed on every try: the run cannot go on."""
 
 
 @dataclass
@@ -171,10 +172,8 @@ class Actor:
                     server = min(free, key=lambda s: s.in_flight)
                     server.in_flight += 1
                     return server
-                try:  # a slot frees up, or a server comes back (its watcher notifies)
+                with contextlib.suppress(asyncio.TimeoutError):  # a slot frees up, or a server comes back
                     await asyncio.wait_for(self._changed.wait(), timeout=RETRY_AFTER_S)
-                except asyncio.TimeoutError:
-                    pass
 
     async def _release_server(self, server: ServerState) -> None:
         async with self._changed:

@@ -17,7 +17,6 @@ import logging
 import multiprocessing
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from lm_human_preference_details.grpo import actor, streams, trainer
 from lm_human_preference_details.grpo.config import GRPOArgs, get_preset
 from lm_human_preference_details.grpo.lifetime import exit_with_parent
 from lm_human_preference_details.grpo.server import ServerError, request_json, wait_until_serving
+from lm_human_preference_details.grpo.weights import free_port
 
 log = logging.getLogger(__name__)
 
@@ -34,12 +34,6 @@ SERVER_START_TIMEOUT_S = 600
 # servers and actor yield the CPU to the trainer when they share cores: in pipeline mode the trainer
 # is the critical path and generation has slack (in sync mode they never run at once)
 GENERATION_NICENESS = 15
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _role(name: str, args: GRPOArgs, server_urls: list[str], first_group: int, launcher: int) -> None:
@@ -68,7 +62,7 @@ class Run:
 
     def start_servers(self, model: str, version: int) -> None:
         for i in range(self.args.num_servers):
-            port = _free_port()
+            port = free_port()
             with open(os.path.join(self.logs, f"server-{i}.log"), "ab") as log_file:  # the child keeps its own handle
                 self.servers.append(subprocess.Popen([
                     sys.executable, "-m", "lm_human_preference_details.grpo.server", "--model", model,

@@ -19,11 +19,11 @@ Malformed requests get a 4xx with the reason; the server stays up.
 """
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import queue
-import sys
 import threading
 import time
 import urllib.error
@@ -43,10 +43,6 @@ from lm_human_preference_details.grpo.lifetime import exit_with_parent
 log = logging.getLogger(__name__)
 
 MAX_CHOICES = 64
-# A thread waiting on a broadcast gets the GIL back only when the thread holding it gives it up, by
-# default after 5 ms: with a decode loop (server) or a training step (trainer) holding it, each of the
-# per-tensor broadcasts would wait that long. Processes that take part in weight updates switch faster.
-GIL_SWITCH_INTERVAL_S = 0.0002
 
 
 class ServerError(RuntimeError):
@@ -87,7 +83,7 @@ def wait_until_serving(url: str, process, timeout_s: float = 600) -> None:
 
 
 class BadRequest(ValueError):
-    pass
+    """A malformed request: answered with 400 and the reason."""
 
 
 def _field(body: dict, name: str, kind: type, default, check=lambda v: True, need: str = ""):
@@ -281,10 +277,8 @@ class InferenceServer:
             except ValueError:
                 raise BadRequest("wait_for_version must be an integer and timeout_s a number") from None
             async with self.version_changed:
-                try:
+                with contextlib.suppress(asyncio.TimeoutError):  # then answer with the version serving
                     await asyncio.wait_for(self.version_changed.wait_for(lambda: self.engine.version >= version), min(timeout, 60))
-                except asyncio.TimeoutError:
-                    pass
         if self.stale:
             return web.json_response({"status": "stale", "error": self.stale, "model_version": self.engine.version}, status=503)
         return web.json_response({"status": "ok", "model": self.model_name, "model_version": self.engine.version,
@@ -380,7 +374,6 @@ def main() -> None:
         exit_with_parent()
     if args.threads:
         torch.set_num_threads(args.threads)
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     quiet_transformers()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s server %(message)s")
     model, tokenizer = load_for_inference(args.model, args.device)

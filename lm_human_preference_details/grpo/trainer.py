@@ -21,14 +21,13 @@ import json
 import logging
 import os
 import shutil
-import sys
 import time
 
 import torch
 
 from lm_human_preference_details import cli
 from lm_human_preference_details.grpo.config import GRPOArgs, get_preset
-from lm_human_preference_details.grpo.server import GIL_SWITCH_INTERVAL_S, request_json
+from lm_human_preference_details.grpo.server import request_json
 from lm_human_preference_details.grpo.streams import open_reader
 from lm_human_preference_details.grpo.weights import DTYPES, WeightSender
 from lm_human_preference_details.grpo_loss import effective_sample_size, group_advantages, policy_loss
@@ -91,7 +90,6 @@ def flatten_groups(groups: list[dict]) -> list[dict]:
 def train(args: GRPOArgs, server_urls: list[str]) -> None:
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     from transformers import AutoTokenizer
 
     from lm_human_preference_details.assets import resolve_model_path

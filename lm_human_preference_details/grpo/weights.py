@@ -12,6 +12,7 @@ import datetime
 import hashlib
 import logging
 import queue
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -118,7 +119,7 @@ class WeightSender:
     def __init__(self, server_urls: list[str], backend: str = "gloo", host: str = "127.0.0.1", timeout_s: float = 300):
         self.groups: dict[str, WeightGroup] = {}
         for url in server_urls:
-            init_method = f"tcp://{host}:{_free_port(host)}"
+            init_method = f"tcp://{host}:{free_port(host)}"
             built: dict = {}
             # our side of the rendezvous waits for the server's: build it aside while the server is asked
             rendezvous = threading.Thread(target=_build_group_into, args=(built, init_method, backend, timeout_s), daemon=True)
@@ -210,9 +211,8 @@ def _build_group_into(built: dict, init_method: str, backend: str, timeout_s: fl
         built["error"] = error
 
 
-def _free_port(host: str) -> int:
-    import socket
-
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now (the OS handed it out and it was closed again)."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]

@@ -44,7 +44,7 @@ def _role(name: str, args: GRPOArgs, server_urls: list[str], first_group: int, l
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the launcher decides
     if name == "trainer":
-        trainer.train(args, server_urls)
+        trainer.train_then_exit(args, server_urls)
     else:
         actor.run(args, server_urls, first_group)
 

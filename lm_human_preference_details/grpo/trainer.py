@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import time
 
 import torch
@@ -229,6 +230,18 @@ def checkpoint_model(output_dir: str) -> str:
     return os.path.join(output_dir, CHECKPOINT, "model")
 
 
+def train_then_exit(args: GRPOArgs, server_urls: list[str]) -> None:
+    """`train`, then end the process at once: everything is written and flushed by then, and tearing
+    down gloo process groups at interpreter exit can abort the process ("terminate called without an
+    active exception", seen now and then in CI), which would turn a finished run into a
+    failed one."""
+    train(args, server_urls)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 @cli.main_with_user_errors
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(message)s")
@@ -236,7 +249,7 @@ def main() -> None:
     args.check()
     if not args.servers:
         raise cli.UserError("--servers: the trainer alone needs the URLs of running servers (or use grpo.launch)")
-    train(args, args.servers)
+    train_then_exit(args, args.servers)
 
 
 if __name__ == "__main__":

@@ -53,7 +53,11 @@ def make_accelerator():
 
 
 def main_with_user_errors(main: Callable[[], None]) -> Callable[[], None]:
-    """Run `main`; a UserError ends the process with `error: ...` on one line and exit status 2."""
+    """Run `main`; a UserError ends the process with `error: ...` on one line and exit status 2.
+
+    The process group of a multi-process run is destroyed before the interpreter exits: left to the
+    interpreter's teardown, gloo can abort a finished run ("terminate called without an active exception").
+    """
 
     @functools.wraps(main)
     def wrapped():
@@ -62,5 +66,8 @@ def main_with_user_errors(main: Callable[[], None]) -> Callable[[], None]:
         except UserError as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
+        finally:
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
 
     return wrapped

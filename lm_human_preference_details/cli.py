@@ -1,12 +1,14 @@
-"""What every stage script shares on its command line: `--task` presets and one-line errors."""
+"""What every stage script shares on its command line: `--task` presets and one-line errors.
+
+torch and transformers are imported where they are used: light processes (the reward verifier's
+worker) import `UserError` from here without paying seconds of start-up for them.
+"""
 
 import functools
 import sys
 from collections.abc import Callable
 from typing import TypeVar
 
-import torch
-import transformers
 import tyro
 
 T = TypeVar("T")
@@ -36,6 +38,8 @@ def parse(args_type: type[T], defaults_for_task: Callable[[str], T], default_tas
 
 def quiet_transformers() -> None:
     """Progress bars and notices drown the training log (each process calls this for itself)."""
+    import transformers
+
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
 
@@ -47,6 +51,7 @@ def make_accelerator():
     `accelerate launch --multi_gpu --num_processes 2` (or `torchrun --nproc_per_node 2`) starts two, and
     without a GPU they train on the CPU over gloo.
     """
+    import torch
     from accelerate import Accelerator
 
     return Accelerator(cpu=not torch.cuda.is_available())
@@ -67,6 +72,8 @@ def main_with_user_errors(main: Callable[[], None]) -> Callable[[], None]:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
         finally:
+            import torch
+
             if torch.distributed.is_available() and torch.distributed.is_initialized():
                 torch.distributed.destroy_process_group()
 

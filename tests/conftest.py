@@ -27,6 +27,22 @@ os.environ.update(
 os.environ.pop("WANDB_API_KEY", None)
 
 
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}"
+
+
+def save_tiny_math_with_chat_template(path: str) -> str:
+    """tiny-math saved to `path` with a chat template (the real tokenizer has none), for /v1/chat/completions."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lm_human_preference_details.assets import resolve_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("tiny-math"))
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny-math")).save_pretrained(path)
+    return path
+
+
 def with_stream(url: str, name: str) -> str:
     parts = urlsplit(url)
     query = dict(parse_qsl(parts.query)) | {"stream": name}

@@ -42,6 +42,24 @@ def test_logprobs_are_those_of_a_full_forward_pass(tiny_math, temperature):
         engine.stop()
 
 
+def test_samples_of_one_prompt_share_its_prefill(tiny_math):
+    model, tokenizer = tiny_math
+    engine = Engine(model, max_batch_size=16, seed=0, vocab_size=len(tokenizer))
+    first, second = (tokenizer(tiny_math_prompt(a, 2))["input_ids"] for a in (1, 3))
+    requests = [GenerationRequest(first, 6)] * 5 + [GenerationRequest(second, 6)] * 3
+    futures = engine.submit_many(requests)  # queued before the engine starts: one admission
+    engine.start()
+    try:
+        generations = [f.result(timeout=60) for f in futures]
+        assert engine.stats["prefill_tokens"] == len(first) + len(second)  # not 5 x first + 3 x second
+        assert len({tuple(g.token_ids) for g in generations[:5]}) > 1  # each row samples on its own
+        for request, generation in zip(requests, generations):
+            expected = full_forward_logprobs(model, request.prompt_ids, generation.token_ids, 1.0, len(tokenizer))
+            torch.testing.assert_close(torch.tensor(generation.logprobs), expected, atol=2e-5, rtol=0)
+    finally:
+        engine.stop()
+
+
 def test_finished_slots_are_refilled_and_stop_tokens_end_sequences(tiny_math):
     model, tokenizer = tiny_math
     engine = Engine(model, max_batch_size=4, seed=0, vocab_size=len(tokenizer)).start()
@@ -147,3 +165,5 @@ def test_grpo_args_check_names_the_field():
         GRPOArgs(batch_size=60, group_size=8).check()
     with pytest.raises(UserError, match="--steps-ahead must be >= 1"):
         GRPOArgs(steps_ahead=0).check()
+    with pytest.raises(UserError, match="--problems-per-request 3 must divide the 8 problems of an optimizer step"):
+        GRPOArgs(batch_size=64, group_size=8, problems_per_request=3).check()

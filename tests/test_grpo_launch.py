@@ -11,8 +11,9 @@ import time
 import uuid
 
 import pytest
-from conftest import redis_client, with_stream
+from conftest import redis_client, save_tiny_math_with_chat_template, with_stream
 
+from lm_human_preference_details.assets import tiny_math_prompt
 from lm_human_preference_details.grpo.server import request_json
 
 LAUNCH = [sys.executable, "-m", "lm_human_preference_details.grpo.launch", "--wandb-mode", "disabled"]  # --task tiny is the default
@@ -182,6 +183,25 @@ def test_the_stream_can_be_a_redis_stream(tmp_path, redis_url):
     record = json.loads(entries[0][1][b"json"])
     assert len(record["attempts"]) == 8 and {"completion_ids", "logprobs", "versions", "reward"} <= record["attempts"][0].keys()
     assert not os.path.exists(tmp_path / "run" / "stream.jsonl")
+
+
+@pytest.mark.slow
+def test_chat_prompts_go_one_request_per_problem_through_the_chat_template(tmp_path):
+    from transformers import AutoTokenizer
+
+    model = save_tiny_math_with_chat_template(str(tmp_path / "model"))
+    run = Launched(tmp_path / "run", "--steps", "4", "--model", model, "--chat", "--problems-per-request", "4")
+    assert run.finish() == 0, run.output()
+    assert len(metrics(run.output_dir)) == 4
+    with open(os.path.join(run.output_dir, "stream.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    assert len(records) == 4 * 8 and all(len(r["attempts"]) == 8 for r in records)
+    a, b = records[0]["problem_id"].split("-")[1:]
+    expected = AutoTokenizer.from_pretrained(model).apply_chat_template(
+        [{"role": "user", "content": tiny_math_prompt(int(a), int(b))}], add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert records[0]["prompt_ids"] == list(expected)
+    with open(os.path.join(run.output_dir, "servers.json")) as f:
+        assert json.load(f).popitem()[1]["requests"] == 4 * 8  # one request per problem, whatever problems_per_request says
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -11,27 +11,16 @@ import urllib.request
 
 import pytest
 import torch
-from conftest import free_port
+from conftest import free_port, save_tiny_math_with_chat_template
 
 from lm_human_preference_details.assets import resolve_model_path
 from lm_human_preference_details.grpo.server import ServerError, request_json, wait_until_serving
 from lm_human_preference_details.grpo.weights import WeightSender, digest, parameter_specs
 from lm_human_preference_details.models import load_causal_lm
 
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}"
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    """tiny-math with a chat template (the real tokenizer has none), so /v1/chat/completions can be tested."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = str(tmp_path_factory.mktemp("tiny-math-chat"))
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("tiny-math"))
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(path)
-    AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny-math")).save_pretrained(path)
-    return path
+    return save_tiny_math_with_chat_template(str(tmp_path_factory.mktemp("tiny-math-chat")))
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +61,22 @@ def test_completions_return_token_ids_logprobs_and_versions(server):
     assert len(by_ids["choices"][0]["token_ids"]) == 2 and by_ids["choices"][0]["finish_reason"] == "length"
 
 
+def test_a_list_of_prompts_gets_n_choices_per_prompt_in_prompt_major_order(server, model_dir):
+    single = request_json("POST", f"{server}/v1/completions", {"prompt": "3+4=\\boxed{", "max_tokens": 1})["prompt_token_ids"]
+    reply = request_json("POST", f"{server}/v1/completions", {"prompt": ["1+", single], "max_tokens": 3, "n": 2, "ignore_eos": True})
+    assert reply["prompt_token_ids"][1] == single and len(reply["prompt_token_ids"][0]) == len("1+")
+    assert reply["usage"]["prompt_tokens"] == len(single) + 2
+    assert [c["index"] for c in reply["choices"]] == [0, 1, 2, 3] and all(len(c["token_ids"]) == 3 for c in reply["choices"])
+    # prompt-major: choices 0-1 were sampled after prompt 0, choices 2-3 after prompt 1 (their first logprob says which)
+    model = load_causal_lm(model_dir)
+    assert request_json("GET", f"{server}/weights_digest")["digests"] == digest(model)  # the weights the server samples with
+    for i, prompt_ids in enumerate(reply["prompt_token_ids"]):
+        with torch.no_grad():
+            logprobs = torch.log_softmax(model(torch.tensor([prompt_ids])).logits[0, -1].float(), -1)
+        for choice in reply["choices"][2 * i : 2 * i + 2]:
+            assert choice["logprobs"]["token_logprobs"][0] == pytest.approx(logprobs[choice["token_ids"][0]].item(), abs=1e-4)
+
+
 def test_chat_completions_apply_the_chat_template(server):
     reply = request_json("POST", f"{server}/v1/chat/completions",
                          {"messages": [{"role": "user", "content": "2+2"}], "max_tokens": 4})
@@ -91,6 +96,9 @@ def test_chat_completions_apply_the_chat_template(server):
     ("/v1/completions", b'{"prompt": "1+1=", "n": 1000}', 400, "'n'"),
     ("/v1/completions", b'{"prompt": [1, 99999]}', 400, "outside the vocabulary"),
     ("/v1/completions", b'{"prompt": "1+1=", "max_tokens": 100000}', 400, "positions"),
+    ("/v1/completions", b'{"prompt": ["1+1=", ""]}', 400, "'prompt[1]'"),
+    ("/v1/completions", b'{"prompt": ["1+1=", [1, 99999]]}', 400, "prompt 1: prompt token ids"),
+    ("/v1/completions", b'{"prompt": ["1+1=", "2+2="], "n": 300}', 400, "2 prompts x n=300"),
     ("/v1/chat/completions", b'{"messages": "hi"}', 400, "'messages'"),
     ("/init_process_group", b'{"init_method": "file:///x", "rank": 1, "world_size": 2}', 400, "tcp://"),
     ("/init_process_group", b'{"init_method": "tcp://127.0.0.1:1", "rank": 0, "world_size": 2}', 400, "'rank'"),

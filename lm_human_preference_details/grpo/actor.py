@@ -29,7 +29,7 @@ import aiohttp
 from lm_human_preference_details import cli
 from lm_human_preference_details.grpo.config import GRPOArgs, get_preset, load_task_problems
 from lm_human_preference_details.grpo.lifetime import exit_with_parent
-from lm_human_preference_details.grpo.rewards import Problem, integer_reward, math_reward
+from lm_human_preference_details.grpo.rewards import Problem, integer_reward, math_rewards
 from lm_human_preference_details.grpo.streams import open_writer
 
 log = logging.getLogger(__name__)
@@ -77,8 +77,12 @@ class Actor:
     async def run(self, first_group: int = 0) -> None:
         """Generate groups first_group .. steps * groups_per_step - 1 and write them to the stream."""
         self._changed = asyncio.Condition()
+        # fork, not spawn: a spawned worker imports this process's main module again (the launcher's:
+        # torch, transformers, seconds of CPU taken from the run); forked now, before any request, this
+        # process has run no torch op and has no thread but the exit-with-parent watchdog
         self._verifier = concurrent.futures.ProcessPoolExecutor(
-            1, mp_context=multiprocessing.get_context("spawn"), initializer=exit_with_parent, initargs=(os.getpid(),))
+            1, mp_context=multiprocessing.get_context("fork"), initializer=_verifier_process, initargs=(os.getpid(),))
+        self._verifier.submit(math_rewards, ["\\boxed{\\frac{1}{2}}"], "1/2")  # start it and warm math_verify up now
         writer = open_writer(self.args.stream_url())
         timeout = aiohttp.ClientTimeout(total=self.args.request_timeout_s)
         connector = aiohttp.TCPConnector(limit=0)  # the per-server bound is ours: max_in_flight
@@ -86,9 +90,11 @@ class Actor:
             watchers = {asyncio.create_task(self._watch_server(session, server)) for server in self.servers}
             pending: set[asyncio.Task] = set()
             try:
-                for k in range(first_group, self.args.steps * self.args.groups_per_step()):
-                    await self._wait_for_room(k)
-                    task = asyncio.create_task(self._group(session, writer, self.problems[k % len(self.problems)]))
+                per_request = self.args.problems_per_request
+                for first in range(first_group, self.args.steps * self.args.groups_per_step(), per_request):
+                    await self._wait_for_room(first + per_request - 1)
+                    problems = [self.problems[k % len(self.problems)] for k in range(first, first + per_request)]
+                    task = asyncio.create_task(self._groups(session, writer, problems))
                     task.add_done_callback(self._group_done)
                     pending.add(task)
                     pending = await _reap(pending)
@@ -118,32 +124,39 @@ class Actor:
 
             asyncio.ensure_future(wake())
 
-    async def _group(self, session, writer, problem: Problem) -> None:
-        prompt_ids, choices = await self._complete(session, problem)
-        texts = [choice["text"] if "text" in choice else choice["message"]["content"] for choice in choices]  # completions or chat
-        completions = [self.args.answer_prefix + t for t in texts]
-        rewards = [integer_reward(c, problem.answer) for c in completions]
-        if None in rewards:  # math_verify's timeout is a SIGALRM: it needs a main thread, hence a process
-            rewards = await asyncio.get_running_loop().run_in_executor(self._verifier, _score, completions, problem.answer)
-        writer.write({
-            "problem_id": problem.id, "answer": problem.answer, "prompt_ids": prompt_ids,
-            "attempts": [
-                {"completion_ids": choice["token_ids"], "logprobs": choice["logprobs"]["token_logprobs"]
-                 if "token_logprobs" in choice["logprobs"] else [c["logprob"] for c in choice["logprobs"]["content"]],
-                 "versions": choice["model_versions"], "finish_reason": choice["finish_reason"],
-                 "text": text, "reward": reward}
-                for choice, text, reward in zip(choices, texts, rewards)
-            ],
-        })
+    async def _groups(self, session, writer, problems: list[Problem]) -> None:
+        """Generate, score and write one group per problem."""
+        for problem, (prompt_ids, choices) in zip(problems, await self._complete(session, problems)):
+            texts = [choice["text"] if "text" in choice else choice["message"]["content"] for choice in choices]  # completions or chat
+            completions = [self.args.answer_prefix + t for t in texts]
+            rewards = [integer_reward(c, problem.answer) for c in completions]
+            if None in rewards:  # math_verify's timeout is a SIGALRM: it needs a main thread, hence a process
+                rewards = await asyncio.get_running_loop().run_in_executor(self._verifier, math_rewards, completions, problem.answer)
+            writer.write({
+                "problem_id": problem.id, "answer": problem.answer, "prompt_ids": prompt_ids,
+                "attempts": [
+                    {"completion_ids": choice["token_ids"], "logprobs": choice["logprobs"]["token_logprobs"]
+                     if "token_logprobs" in choice["logprobs"] else [c["logprob"] for c in choice["logprobs"]["content"]],
+                     "versions": choice["model_versions"], "finish_reason": choice["finish_reason"],
+                     "text": text, "reward": reward}
+                    for choice, text, reward in zip(choices, texts, rewards)
+                ],
+            })
 
-    async def _complete(self, session, problem: Problem) -> tuple[list[int], list[dict]]:
-        """All attempts at a problem in one request: (prompt token ids, the choices); sent again to
-        another server when one fails."""
+    async def _complete(self, session, problems: list[Problem]) -> list[tuple[list[int], list[dict]]]:
+        """`group_size` attempts at each problem: (prompt token ids, its choices) per problem. One
+        completion request for all of them (a list of prompts), or one chat request per problem."""
         sampling = {"max_tokens": self.args.max_tokens, "temperature": self.args.temperature, "n": self.args.group_size}
         if self.args.chat:
-            endpoint, payload = "/v1/chat/completions", {"messages": [{"role": "user", "content": problem.prompt}], **sampling}
-        else:
-            endpoint, payload = "/v1/completions", {"prompt": problem.prompt, **sampling}
+            bodies = await asyncio.gather(*(self._request(
+                session, "/v1/chat/completions", {"messages": [{"role": "user", "content": p.prompt}], **sampling}) for p in problems))
+            return [(body["prompt_token_ids"], body["choices"]) for body in bodies]
+        body = await self._request(session, "/v1/completions", {"prompt": [p.prompt for p in problems], **sampling})
+        n = self.args.group_size
+        return [(ids, body["choices"][i * n : (i + 1) * n]) for i, ids in enumerate(body["prompt_token_ids"])]
+
+    async def _request(self, session, endpoint: str, payload: dict) -> dict:
+        """POST to the least busy usable server; sent again to another server when one fails."""
         for attempt in range(MAX_ATTEMPTS_PER_REQUEST):
             server = await self._acquire_server()
             try:
@@ -152,9 +165,8 @@ class Actor:
                         body = await response.json()
                         if response.status != 200:  # our request is wrong: retrying cannot help
                             raise ActorError(f"{server.url}{endpoint} refused the request: {body.get('error', body)}")
-                        choices = body["choices"]
-                        server.version = max([server.version] + [c["model_versions"][-1] for c in choices])
-                        return body["prompt_token_ids"], choices
+                        server.version = max([server.version] + [c["model_versions"][-1] for c in body["choices"]])
+                        return body
                     reason = f"HTTP {response.status}"
             except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as error:
                 reason = repr(error)
@@ -202,8 +214,12 @@ class Actor:
                 self._changed.notify_all()
 
 
-def _score(completions: list[str], answer: str) -> list[float]:
-    return [math_reward(c, answer) for c in completions]
+def _verifier_process(parent: int) -> None:
+    """A forked verifier worker: the actor's signal handlers (its asyncio loop's) are not its own."""
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the actor shuts us down
+    exit_with_parent(parent)
 
 
 async def _reap(pending: set[asyncio.Task], wait: bool = False) -> set[asyncio.Task]:

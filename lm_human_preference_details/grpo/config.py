@@ -94,8 +94,12 @@ class GRPOArgs(RunArgs):
     server_batch_size: int = 64
     """sequences each server decodes together"""
     max_in_flight: int = 32
-    """requests (one per problem, `group_size` attempts each) the actor keeps in flight per server:
-    more sequences than the server's batch, so a finished slot is refilled from its queue at once"""
+    """requests (`problems_per_request` problems x `group_size` attempts each) the actor keeps in flight
+    per server: more sequences than the server's batch, so a finished slot is refilled from its queue at once"""
+    problems_per_request: int = 1
+    """problems sent in one completion request (OpenAI's list-of-prompts form); fewer, larger requests
+    cost the servers less HTTP and prefill per sample. Divides batch_size / group_size (a request never
+    spans two optimizer steps); with `chat` each problem still goes in a request of its own"""
     stream: str = ""
     """where samples go: empty = `<output_dir>/stream.jsonl`, or `redis://HOST:PORT/DB?stream=NAME`"""
     trainer_host: str = "127.0.0.1"
@@ -121,7 +125,8 @@ class GRPOArgs(RunArgs):
             raise UserError(f"--group-size {self.group_size}: a group needs at least 2 attempts")
         if self.batch_size % self.group_size:
             raise UserError(f"--batch-size {self.batch_size} must be a multiple of --group-size {self.group_size}")
-        for name in ("steps", "sync_steps", "steps_ahead", "num_servers", "server_batch_size", "max_in_flight", "max_tokens", "threads"):
+        for name in ("steps", "sync_steps", "steps_ahead", "num_servers", "server_batch_size", "max_in_flight",
+                     "problems_per_request", "max_tokens", "threads"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         for name in ("temperature", "lr", "ratio_cap", "clip_eps", "grad_clip", "request_timeout_s"):
@@ -130,6 +135,9 @@ class GRPOArgs(RunArgs):
         for name in ("kl_coef", "save_interval"):
             if getattr(self, name) < 0:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.groups_per_step() % self.problems_per_request:
+            raise UserError(f"--problems-per-request {self.problems_per_request} must divide the {self.groups_per_step()} "
+                            f"problems of an optimizer step (batch_size / group_size)")
         if self.token_budget < 1:
             raise UserError(f"--token-budget must be >= 1, got {self.token_budget}")
 
@@ -139,7 +147,7 @@ PRESETS: dict[str, GRPOArgs] = {
     # (the tiny model is cheap to run: a server batch of 256 amortises each decode step's overhead)
     "tiny": GRPOArgs(preset="tiny", model="tiny-math", problems="tiny-sums", answer_prefix="\\boxed{",
                      group_size=8, batch_size=64, max_tokens=6, steps=100, lr=5e-4, steps_ahead=4,
-                     server_batch_size=256),
+                     server_batch_size=256, problems_per_request=2),
     # a real pretrained LM (SmolLM2-135M-Instruct, offline) completing `4+5=\boxed{`: about 3% right at
     # the start; sized for a GPU (on 2 CPU cores a step takes about 10 s)
     "arith": GRPOArgs(preset="arith", model="smollm2-135m", problems="arith", arith_digits=1,

@@ -1,7 +1,8 @@
 """Batched decoding that keeps its batch full and lets the weights change between two decode steps.
 
 One thread owns the model. Each loop iteration: apply a pending weight update (the only pause),
-admit queued requests into free slots (one batched prefill), take one decode step for every active
+admit queued requests into free slots (one batched prefill, one row per distinct prompt: the n
+samples of a prompt share it), take one decode step for every active
 sequence, hand finished sequences back. A finished sequence's slot is refilled on the next
 iteration, so the batch stays full while requests are queued (continuous batching).
 
@@ -91,7 +92,24 @@ class Engine:
         self._thread.join(timeout=30)
 
     def submit(self, request: GenerationRequest) -> Future:
-        """Queue a request; the future resolves to a `Generation`. Checks sizes before queueing."""
+        """Queue a request; the future resolves to a `Generation`. Checks it (`check`) before queueing."""
+        return self.submit_many([request])[0]
+
+    def submit_many(self, requests: list[GenerationRequest]) -> list[Future]:
+        """Queue several requests at once (the same request object may appear several times: n samples
+        of one prompt); all are checked before any is queued."""
+        for request in {id(r): r for r in requests}.values():
+            self.check(request)
+        futures = [Future() for _ in requests]
+        with self._wake:
+            if self._stopped:
+                raise RuntimeError("engine stopped")
+            self._queue.extend(_Sequence(request, future) for request, future in zip(requests, futures))
+            self._wake.notify()
+        return futures
+
+    def check(self, request: GenerationRequest) -> None:
+        """ValueError, saying why, when the request cannot be generated (empty prompt, too long, unknown ids)."""
         if not request.prompt_ids:
             raise ValueError("prompt is empty")
         if len(request.prompt_ids) + request.max_new_tokens > self.max_positions:
@@ -102,13 +120,6 @@ class Engine:
         bad = [t for t in request.prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
-        future = Future()
-        with self._wake:
-            if self._stopped:
-                raise RuntimeError("engine stopped")
-            self._queue.append(_Sequence(request, future))
-            self._wake.notify()
-        return future
 
     def schedule_update(self, apply_weights) -> Future:
         """Run `apply_weights()` on the engine thread between two decode steps; it returns the new
@@ -184,20 +195,23 @@ class Engine:
         future.set_result(pause)
 
     def _prefill(self, admitted: list[_Sequence]) -> None:
-        # left-pad the new prompts into one batch, run them, and append their rows to the cache
-        length = max(len(s.request.prompt_ids) for s in admitted)
-        ids = torch.zeros(len(admitted), length, dtype=torch.long, device=self.device)
+        # left-pad the distinct new prompts into one batch (the n samples of a prompt share its
+        # forward pass), run them, and append one cache row per sequence
+        distinct: dict[tuple[int, ...], int] = {}
+        rows = [distinct.setdefault(tuple(s.request.prompt_ids), len(distinct)) for s in admitted]
+        length = max(map(len, distinct))
+        ids = torch.zeros(len(distinct), length, dtype=torch.long, device=self.device)
         mask = torch.zeros_like(ids)
-        for row, sequence in enumerate(admitted):
-            prompt = torch.tensor(sequence.request.prompt_ids, device=self.device)
-            ids[row, length - len(prompt):] = prompt
+        for row, prompt in enumerate(distinct):
+            ids[row, length - len(prompt):] = torch.tensor(prompt, device=self.device)
             mask[row, length - len(prompt):] = 1
         positions = (mask.cumsum(1) - 1).clamp(min=0)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-        new_cache = [(layer.keys, layer.values) for layer in out.cache.layers]
-        self._append_rows(admitted, new_cache, mask, mask.sum(1))
-        self._sample(out.logits[:, -1], rows=slice(len(self._active) - len(admitted), None))
         self.stats["prefill_tokens"] += int(mask.sum())
+        rows = torch.tensor(rows, device=self.device)
+        new_cache = [(layer.keys[rows], layer.values[rows]) for layer in out.cache.layers]
+        self._append_rows(admitted, new_cache, mask[rows], mask.sum(1)[rows])
+        self._sample(out.logits[rows, -1], rows=slice(len(self._active) - len(admitted), None))
 
     def _decode_step(self) -> None:
         mask = torch.cat([self._mask, torch.ones_like(self._mask[:, :1])], dim=1)

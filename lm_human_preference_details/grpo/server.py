@@ -3,7 +3,9 @@
     python -m lm_human_preference_details.grpo.server --model tiny-math --port 8000
 
 Endpoints (docs/DESIGN.md, "The GRPO pipeline contract"):
-- `POST /v1/completions` {prompt: str | [token ids], max_tokens, temperature, n, stop_token_ids, ignore_eos}
+- `POST /v1/completions` {prompt: str | [token ids] | [str] | [[token ids]], max_tokens, temperature, n,
+  stop_token_ids, ignore_eos}. A list of prompts (OpenAI's batch form) gets `n` choices per prompt,
+  prompt-major (choice `index` = prompt index * n + attempt), and `prompt_token_ids` one list per prompt.
 - `POST /v1/chat/completions` {messages: [{role, content}], ...same sampling fields}
   Both return per choice the token ids, per-token logprobs (at the sampling temperature) and
   `model_versions`, the weight version that sampled each token.
@@ -42,7 +44,8 @@ from lm_human_preference_details.grpo.lifetime import exit_with_parent
 
 log = logging.getLogger(__name__)
 
-MAX_CHOICES = 64
+MAX_CHOICES = 512
+"""sequences one request may ask for (prompts x n)"""
 
 
 class ServerError(RuntimeError):
@@ -134,19 +137,23 @@ class InferenceServer:
     async def completions(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
         prompt = body.get("prompt")
-        if isinstance(prompt, str) and prompt:
-            prompt_ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            prompt_ids = prompt
-        else:
-            raise BadRequest("field 'prompt': expected a non-empty string or a non-empty list of token ids")
-        choices = await self._generate(prompt_ids, body)
-        return web.json_response(self._response("text_completion", prompt_ids, [
+        batched = isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
+        prompts_ids = [self._prompt_ids(p, f"prompt[{i}]") for i, p in enumerate(prompt)] if batched else [self._prompt_ids(prompt, "prompt")]
+        choices = await self._generate(prompts_ids, body)
+        return web.json_response(self._response("text_completion", prompts_ids, batched, [
             {"index": i, "text": self._text(g.token_ids), "token_ids": g.token_ids,
              "logprobs": {"tokens": self._pieces(g.token_ids), "token_logprobs": g.logprobs},
              "model_versions": g.versions, "finish_reason": g.finish_reason}
             for i, g in enumerate(choices)
         ]))
+
+    def _prompt_ids(self, prompt, name: str) -> list[int]:
+        if isinstance(prompt, str) and prompt:
+            return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return prompt
+        raise BadRequest(f"field {name!r}: expected a non-empty string or a non-empty list of token ids"
+                         + (" (or a non-empty list of those)" if name == "prompt" else ""))
 
     async def chat_completions(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
@@ -157,41 +164,47 @@ class InferenceServer:
         if not getattr(self.tokenizer, "chat_template", None):
             raise BadRequest(f"model {self.model_name} has no chat template: use /v1/completions")
         prompt_ids = list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
-        choices = await self._generate(prompt_ids, body)
-        return web.json_response(self._response("chat.completion", prompt_ids, [
+        choices = await self._generate([prompt_ids], body)
+        return web.json_response(self._response("chat.completion", [prompt_ids], False, [
             {"index": i, "message": {"role": "assistant", "content": self._text(g.token_ids)}, "token_ids": g.token_ids,
              "logprobs": {"content": [{"token": t, "logprob": lp} for t, lp in zip(self._pieces(g.token_ids), g.logprobs)]},
              "model_versions": g.versions, "finish_reason": g.finish_reason}
             for i, g in enumerate(choices)
         ]))
 
-    async def _generate(self, prompt_ids: list[int], body: dict):
+    async def _generate(self, prompts_ids: list[list[int]], body: dict):
+        """`n` generations of each prompt, prompt-major."""
         if self.stale:
             raise web.HTTPServiceUnavailable(reason=self.stale)
         stop = set(_field(body, "stop_token_ids", list, [], lambda v: all(isinstance(t, int) for t in v), "a list of token ids"))
         if not _field(body, "ignore_eos", bool, False) and self.tokenizer.eos_token_id is not None:
             stop.add(self.tokenizer.eos_token_id)
-        generation = GenerationRequest(
-            prompt_ids=prompt_ids,
+        sampling = dict(
             max_new_tokens=_field(body, "max_tokens", int, 16, lambda v: v >= 1, "an integer >= 1"),
             temperature=_field(body, "temperature", float, 1.0, lambda v: v > 0, "a number > 0 (sampling only)"),
             stop_token_ids=frozenset(stop),
         )
         n = _field(body, "n", int, 1, lambda v: 1 <= v <= MAX_CHOICES, f"an integer in [1, {MAX_CHOICES}]")
-        try:
-            futures = [self.engine.submit(generation) for _ in range(n)]
-        except ValueError as error:
-            raise BadRequest(str(error)) from None
+        if n * len(prompts_ids) > MAX_CHOICES:
+            raise BadRequest(f"fields 'prompt' and 'n': {len(prompts_ids)} prompts x n={n} exceeds {MAX_CHOICES} choices per request")
+        generations = [GenerationRequest(prompt_ids=ids, **sampling) for ids in prompts_ids]
+        for i, generation in enumerate(generations):  # every prompt is checked before any is queued
+            try:
+                self.engine.check(generation)
+            except ValueError as error:
+                raise BadRequest(f"prompt {i}: {error}" if len(generations) > 1 else str(error)) from None
+        futures = self.engine.submit_many([generation for generation in generations for _ in range(n)])
         self.requests += 1
         return await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
 
-    def _response(self, kind: str, prompt_ids: list[int], choices: list[dict]) -> dict:
+    def _response(self, kind: str, prompts_ids: list[list[int]], batched: bool, choices: list[dict]) -> dict:
         completion_tokens = sum(len(c["token_ids"]) for c in choices)
+        prompt_tokens = sum(len(p) for p in prompts_ids)
         return {
             "id": f"cmpl-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()), "model": self.model_name,
-            "prompt_token_ids": prompt_ids, "choices": choices,
-            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
-                      "total_tokens": len(prompt_ids) + completion_tokens},
+            "prompt_token_ids": prompts_ids if batched else prompts_ids[0], "choices": choices,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens},
         }
 
     def _text(self, token_ids: list[int]) -> str:

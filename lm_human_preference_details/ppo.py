@@ -161,6 +161,28 @@ def _moments(x: Tensor) -> tuple[Tensor, Tensor]:
     return x.mean(), x.var(correction=0)
 
 
+def ratio_diagnostics(logprobs: Tensor, old_logprobs: Tensor) -> dict[str, Tensor]:
+    """How far one minibatch's update moved the policy, beyond OAI's approxkl and clipfrac: mean,
+    population variance, max and min of the ratio pi/pi_old and of the logprob difference over all
+    B*T tokens (the N-implementation-details post compares TF-style and torch Adam with these).
+    Detached 0-d tensors; across minibatches take the max of the `*_max` keys, the min of `*_min`,
+    the mean of the rest (`reduce_minibatch_stats`)."""
+    with torch.no_grad():
+        diff = logprobs - old_logprobs
+        stats = {}
+        for name, x in (("ratio", torch.exp(diff)), ("logprob_diff", diff)):
+            stats.update({f"policy/{name}_mean": x.mean(), f"policy/{name}_var": x.var(correction=0),
+                          f"policy/{name}_max": x.max(), f"policy/{name}_min": x.min()})
+        return stats
+
+
+def reduce_minibatch_stats(stats: dict[str, list[Tensor]]) -> dict[str, Tensor]:
+    """One value per key over the minibatches (and epochs) of a batch: OAI's mean, except the max of
+    `*_max` keys and the min of `*_min` keys."""
+    reduce = {"_max": torch.max, "_min": torch.min}
+    return {k: reduce.get(k[-4:], torch.mean)(torch.stack(v)) for k, v in stats.items()}
+
+
 def ppo_loss(
     logprobs: Tensor,
     values: Tensor,

@@ -251,6 +251,7 @@ def train(args: Args, accelerator) -> tuple[PolicyAndValue, ppo.AdaptiveKLContro
                             p.cliprange, p.cliprange_value, p.vf_coef, entropy=ppo.entropy_from_logits(new_logits.detach()),
                         )
                         accelerator.backward(loss / p.gradient_accumulation_steps)
+                    stats.update(ppo.ratio_diagnostics(new_logprobs.detach(), logprobs[idx]))
                     for k, v in stats.items():
                         ppo_stats.setdefault(k, []).append(v)
                 optimizer.step()
@@ -265,15 +266,19 @@ def train(args: Args, accelerator) -> tuple[PolicyAndValue, ppo.AdaptiveKLContro
                 "objective/scores": scores.mean(),
                 "objective/score_total": (scores + non_score_reward.sum(1)).mean(),
                 "objective/kl_coef": torch.tensor(kl_ctl.value, device=device),
-                **{f"ppo/{k}": torch.stack(v).mean() for k, v in ppo_stats.items()},
+                **{f"ppo/{k}": v for k, v in ppo.reduce_minibatch_stats(ppo_stats).items()},
             }
             if eval_labeler is not None:
                 texts = [tokenizer.decode(strip_pad(r, pad_id)) for r in scored]
                 query_texts = [tokenizer.decode(strip_pad(q, pad_id)) for q in queries]
                 local["objective/labeler_score"] = torch.tensor(eval_labeler(query_texts, texts), dtype=torch.float32, device=device).mean()
-            keys = sorted(local)
-            reduced = accelerator.reduce(torch.stack([local[k].float() for k in keys]), "mean")
-            metrics = {k: float(v) for k, v in zip(keys, reduced)}
+            # across processes: the mean, except the max of `*_max` and the min of `*_min` (max of the negated)
+            sign = {k: -1.0 if k.endswith("_min") else 1.0 for k in local}
+            metrics = {}
+            for reduction, keys in (("max", sorted(k for k in local if k.endswith(("_max", "_min")))),
+                                    ("mean", sorted(k for k in local if not k.endswith(("_max", "_min"))))):
+                reduced = accelerator.reduce(torch.stack([sign[k] * local[k].float() for k in keys]), reduction)
+                metrics.update({k: sign[k] * float(v) for k, v in zip(keys, reduced)})
         metrics["ppo/val/var_explained"] = 1 - metrics["ppo/val/error"] / max(metrics["ppo/returns/var"], 1e-12)  # OAI: train_policy.py#L241
         kl_ctl.update(metrics["objective/kl"], p.batch_size)  # OAI: lm_human_preferences/train_policy.py#L305
         episodes = update * p.batch_size

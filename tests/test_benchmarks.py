@@ -71,3 +71,57 @@ def test_learning_curves_of_the_grpo_stage(tmp_path):
     assert {(r["metric"], r["step"]) for r in rows if r["metric"] in ("success/rate", "lag/mean")} == {
         (m, s) for m in ("success/rate", "lag/mean") for s in "123"}
     assert (out / "success_rate.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_adam_ablation_compares_both_optimizers_on_one_reward_model(tmp_path):
+    out = tmp_path / "ablation"
+    load_script("adam_ablation").main(["--task", "tiny", "--seeds", "1", "--updates", "2", "--out-dir", str(out)])
+    results = json.loads((out / "results.json").read_text())
+    runs = results["runs"]["1"]
+    assert set(runs) == {"adam_tf", "adam_torch"} and all(len(r) == 2 for r in runs.values())
+    # same seed and reward model: the first rollout is the same, so only the update differs
+    assert runs["adam_tf"][0]["objective/scores"] == runs["adam_torch"][0]["objective/scores"]
+    assert runs["adam_tf"][0]["ppo/policy/approxkl"] != runs["adam_torch"][0]["ppo/policy/approxkl"]
+    first = results["summary"]["first update"]["adam_tf"]
+    assert first["ppo/policy/ratio_min"] <= 1 <= first["ppo/policy/ratio_max"] and first["ppo/policy/logprob_diff_var"] > 0
+    assert "| approxkl |" in (out / "results.md").read_text()
+
+
+class FakeRun:
+    def __init__(self, name, config, history):
+        self.name, self.config, self.history = name, config, history
+
+    def scan_history(self, keys):
+        return [{k: v for k, v in record.items() if k in keys} for record in self.history]
+
+
+class FakeApi:
+    """wandb.Api's surface that oai_baseline uses, with runs shaped like OAI's (configs wrapped in `value`)."""
+
+    def __init__(self, runs):
+        self._runs = runs
+
+    def runs(self, path):
+        assert path == "openrlbenchmark/lm-human-preferences"
+        return self._runs
+
+
+def test_oai_baseline_export_renames_metrics_and_keeps_the_matching_runs(tmp_path):
+    def config(task, model):
+        return {"task_id": {"value": task}, "task": {"value": {"policy": {"initial_model": model}}}}
+
+    history = [{"_step": 0, "ppo/objective/score": 0.1, "ppo/ppo/policy/approxkl": 0.01, "ppo/objective/kl": None},
+               {"_step": 1, "ppo/objective/score": 0.5, "ppo/ppo/policy/approxkl": 0.02, "ppo/objective/kl": 0.3}]
+    api = FakeApi([FakeRun("seed-a", config("sentiment", "124M"), history),
+                   FakeRun("other-task", config("descriptiveness", "124M"), history),
+                   FakeRun("bigger", config("sentiment", "774M"), history)])
+    out = tmp_path / "oai.csv"
+    load_script("oai_baseline").main(["--task", "sentiment", "--out", str(out)], api=api)
+    rows = load_script("learning_curves").read_long_csv(str(out), default_source="baseline")
+    assert {r["seed"] for r in rows} == {"seed-a"}
+    got = {(r["metric"], r["step"]): r["value"] for r in rows}
+    assert got == {("objective/scores", 0): 0.1, ("objective/scores", 1): 0.5, ("ppo/policy/approxkl", 0): 0.01,
+                   ("ppo/policy/approxkl", 1): 0.02, ("objective/kl", 1): 0.3}
+    with pytest.raises(SystemExit, match="no run"):
+        load_script("oai_baseline").main(["--task", "tldr", "--out", str(out)], api=api)

@@ -287,3 +287,20 @@ def test_ppo_loss_without_entropy_and_at_ratio_one():
     expected_vf = 0.5 * ((data["values"] - returns) ** 2).mean()
     torch.testing.assert_close(stats["loss/value"], expected_vf)
     torch.testing.assert_close(loss, stats["loss/policy"] + 0.1 * expected_vf)
+
+
+def test_ratio_diagnostics_and_their_reduction_over_minibatches():
+    new = torch.tensor([[0.0, -1.0], [-2.0, -0.5]])
+    old = torch.tensor([[0.0, -1.5], [-1.0, -0.5]])
+    stats = ppo.ratio_diagnostics(new, old)
+    diff = torch.tensor([0.0, 0.5, -1.0, 0.0])
+    torch.testing.assert_close(stats["policy/logprob_diff_mean"], diff.mean())
+    torch.testing.assert_close(stats["policy/logprob_diff_var"], diff.var(correction=0))
+    torch.testing.assert_close(stats["policy/ratio_max"], torch.exp(torch.tensor(0.5)))
+    torch.testing.assert_close(stats["policy/ratio_min"], torch.exp(torch.tensor(-1.0)))
+    torch.testing.assert_close(stats["policy/ratio_mean"], diff.exp().mean())
+    reduced = ppo.reduce_minibatch_stats({"policy/ratio_max": [torch.tensor(1.2), torch.tensor(1.5)],
+                                          "policy/ratio_min": [torch.tensor(0.9), torch.tensor(0.7)],
+                                          "policy/approxkl": [torch.tensor(0.1), torch.tensor(0.3)]})
+    assert reduced["policy/ratio_max"].item() == pytest.approx(1.5) and reduced["policy/ratio_min"].item() == pytest.approx(0.7)
+    assert reduced["policy/approxkl"].item() == pytest.approx(0.2)  # OAI's mean for everything else

@@ -10,6 +10,8 @@ trainer's broadcast (announce, one broadcast per tensor, until received) and the
 (decoding stopped for the swap), median over `--updates` updates.
 
 Throughput is samples trained / trainer wall time from its first wait for data to its last step.
+With `--trl-python` (an environment with trl==1.16.0) a row for TRL's GRPOTrainer (no vLLM) at the
+same settings joins the table: samples/s = batch size / median seconds per optimizer step.
 """
 
 import json
@@ -44,6 +46,14 @@ class Args:
     """runs, results.json and results.md go here"""
     extra: list[str] = field(default_factory=list)
     """flags passed to every launch unchanged (e.g. --extra=--max-tokens --extra=32)"""
+    trl_python: str | None = None
+    """python of an environment with trl==1.16.0 (`python -m venv --system-site-packages .venv-trl116 &&
+    .venv-trl116/bin/pip install --no-deps trl==1.16.0`): adds a row for TRL's GRPOTrainer (no vLLM) on
+    the same model, problems, batch, group size and completion limit; None: no TRL row"""
+    role: str = "main"
+    """internal: `trl` runs TRL's GRPOTrainer in this process and writes --result"""
+    result: str = ""
+    """internal: where the `trl` role writes its seconds per step"""
 
 
 def schedules(args: Args) -> list[tuple[str, list[str]]]:
@@ -125,6 +135,67 @@ def _keep_generating(url: str, stop: threading.Event) -> None:
             pool.submit(one)
 
 
+def run_settings(args: Args):
+    """The GRPOArgs every launch of this benchmark runs with (the preset and `--extra`)."""
+    from lm_human_preference_details import cli
+    from lm_human_preference_details.grpo.config import GRPOArgs, get_preset
+
+    return cli.parse(GRPOArgs, get_preset, args.task, argv=["--task", args.task, *args.extra])
+
+
+def trl_step_times(args: Args) -> list[float]:
+    """TRL's GRPOTrainer at the run's settings, seconds per optimizer step (all but the first)."""
+    import tempfile
+
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from lm_human_preference_details.assets import resolve_model_path
+    from lm_human_preference_details.grpo.config import load_task_problems
+    from lm_human_preference_details.grpo.rewards import math_reward
+
+    settings = run_settings(args)
+    problems = load_task_problems(settings)
+    path = resolve_model_path(settings.model)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.pad_token = tokenizer.eos_token
+
+    def reward(completions, answer, **_):  # the actor's reward: the answer prefix, then the last box
+        return [math_reward(settings.answer_prefix + c, a) for c, a in zip(completions, answer)]
+
+    ends: list[float] = []
+
+    class StepTimer(TrainerCallback):
+        def on_step_end(self, *_, **__):
+            ends.append(time.perf_counter())
+
+    with tempfile.TemporaryDirectory() as out:
+        config = GRPOConfig(
+            output_dir=out, per_device_train_batch_size=settings.batch_size, num_generations=settings.group_size,
+            steps_per_generation=1, gradient_accumulation_steps=1, max_completion_length=settings.max_tokens,
+            max_steps=args.steps, learning_rate=settings.lr, temperature=settings.temperature, beta=0.0,
+            report_to="none", save_strategy="no", logging_steps=1, use_cpu=True, seed=0, disable_tqdm=True,
+        )
+        dataset = Dataset.from_dict({"prompt": [p.prompt for p in problems], "answer": [p.answer for p in problems]})
+        trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(path), reward_funcs=reward, args=config,
+                              train_dataset=dataset, processing_class=tokenizer, callbacks=[StepTimer()])
+        trainer.train()
+    return [b - a for a, b in zip(ends, ends[1:])]
+
+
+def run_trl(args: Args, repeat: int) -> dict:
+    result = os.path.join(args.out_dir, f"trl_{repeat}.json")
+    cmd = [args.trl_python, os.path.abspath(__file__), "--role", "trl", "--result", result, "--task", args.task,
+           "--steps", str(args.steps), *(f"--extra={flag}" for flag in args.extra)]
+    print("$", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT, TRL_EXPERIMENTAL_SILENCE="1"),
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with open(result) as f:
+        seconds = statistics.median(json.load(f))
+    return {"samples_per_s": run_settings(args).batch_size / seconds, "lag_mean": 0.0}  # on-policy: generates, then trains
+
+
 def markdown(args: Args, runs: dict[str, list[dict]], updates: list[dict]) -> str:
     med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
     pipeline = med["pipeline"]
@@ -133,8 +204,9 @@ def markdown(args: Args, runs: dict[str, list[dict]], updates: list[dict]) -> st
              "| schedule | samples/s | tokens/s | mean lag (steps) | success, last 20 steps | pipeline / this (samples/s) |",
              "|---|---|---|---|---|---|"]
     for name, m in med.items():
-        lines.append(f"| {name} | {m['samples_per_s']:.0f} | {m['tokens_per_s']:.0f} | {m['lag_mean']:.2f} | "
-                     f"{m['success_last_20']:.2f} | {pipeline['samples_per_s'] / m['samples_per_s']:.2f}x |")
+        tokens, success = (f"{m[k]:{fmt}}" if k in m else "-" for k, fmt in (("tokens_per_s", ".0f"), ("success_last_20", ".2f")))
+        lines.append(f"| {name} | {m['samples_per_s']:.0f} | {tokens} | {m['lag_mean']:.2f} | {success} | "
+                     f"{pipeline['samples_per_s'] / m['samples_per_s']:.2f}x |")
     if updates:
         lines += ["", "Weight update while the server decodes (median of the timed updates):", "",
                   "| model | parameters | tensors | trainer broadcast (s) | server pause (ms) |", "|---|---|---|---|---|"]
@@ -145,11 +217,19 @@ def markdown(args: Args, runs: dict[str, list[dict]], updates: list[dict]) -> st
 
 def main(argv: list[str] | None = None) -> None:
     args = tyro.cli(Args, args=argv)
+    if args.role == "trl":
+        with open(args.result, "w") as f:
+            json.dump(trl_step_times(args), f)
+        return
     os.makedirs(args.out_dir, exist_ok=True)
     runs: dict[str, list[dict]] = {name: [] for name, _ in schedules(args)}
+    if args.trl_python:
+        runs["trl GRPOTrainer"] = []
     for repeat in range(args.repeats):
         for name, flags in schedules(args):
             runs[name].append(run_schedule(args, name, flags, repeat))
+        if args.trl_python:
+            runs["trl GRPOTrainer"].append(run_trl(args, repeat))
     updates = [time_weight_updates(model, args.updates) for model in args.update_models]
     table = markdown(args, runs, updates)
     with open(os.path.join(args.out_dir, "results.json"), "w") as f:

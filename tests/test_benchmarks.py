@@ -46,19 +46,25 @@ def test_mean_std_by_step():
 
 
 @pytest.mark.slow
-def test_grpo_speed_runs_both_schedules_and_times_an_update(tmp_path):
+def test_grpo_speed_runs_both_schedules_times_an_update_and_trl(tmp_path):
+    trl_python = os.environ.get("LMHPD_TRL116_PYTHON")  # .ci/run makes this environment (trl==1.16.0)
     out = tmp_path / "speed"
+    trl_flags = ["--trl-python", trl_python] if trl_python else []
     load_script("grpo_speed").main(["--steps", "6", "--repeats", "1", "--sync-steps", "4", "--update-models", "tiny-math",
-                                    "--updates", "2", "--out-dir", str(out)])
+                                    "--updates", "2", "--out-dir", str(out), *trl_flags])
     results = json.loads((out / "results.json").read_text())
-    assert set(results["runs"]) == {"pipeline", "sync G=4"}
-    for (run,) in results["runs"].values():
-        assert run["samples_per_s"] > 0 and run["tokens_per_s"] > 0
+    assert set(results["runs"]) == {"pipeline", "sync G=4"} | ({"trl GRPOTrainer"} if trl_python else set())
+    for name, (run,) in results["runs"].items():
+        assert run["samples_per_s"] > 0 and (name.startswith("trl") or run["tokens_per_s"] > 0)
     assert results["runs"]["sync G=4"][0]["lag_mean"] == pytest.approx(7 / 6)  # lags 0, 1, 2, 3 then 0, 1
     (update,) = results["updates"]
     assert update["model"] == "tiny-math" and update["tensors"] == 28 and update["broadcast_s"] > 0 and update["pause_s"] > 0
     table = (out / "results.md").read_text()
     assert "| pipeline |" in table and "| sync G=4 |" in table and "| tiny-math |" in table
+    if not trl_python:
+        pytest.skip("LMHPD_TRL116_PYTHON is not set (python -m venv --system-site-packages .venv-trl116 && "
+                    ".venv-trl116/bin/pip install --no-deps trl==1.16.0): TRL's GRPOTrainer not compared")
+    assert results["runs"]["trl GRPOTrainer"][0]["lag_mean"] == 0 and "| trl GRPOTrainer |" in table
 
 
 @pytest.mark.slow
@@ -125,3 +131,19 @@ def test_oai_baseline_export_renames_metrics_and_keeps_the_matching_runs(tmp_pat
                    ("ppo/policy/approxkl", 1): 0.02, ("objective/kl", 1): 0.3}
     with pytest.raises(SystemExit, match="no run"):
         load_script("oai_baseline").main(["--task", "tldr", "--out", str(out)], api=api)
+
+
+@pytest.mark.slow
+def test_ppo_speed_times_ours_the_raw_compute_and_trl(tmp_path):
+    trl_python = os.environ.get("LMHPD_TRL_PYTHON")  # .ci/run makes this environment (trl==1.12.0)
+    if not trl_python:
+        pytest.skip("LMHPD_TRL_PYTHON is not set: python -m venv --system-site-packages .venv-trl && .venv-trl/bin/pip install --no-deps trl==1.12.0")
+    out = tmp_path / "ppo_speed"
+    load_script("ppo_speed").main(["--batch-size", "8", "--query-length", "16", "--response-length", "8", "--epochs", "1",
+                                   "--warmup", "1", "--updates", "1", "--repeats", "1", "--trl-python", trl_python, "--out-dir", str(out)])
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["main"]) == {"ours", "raw", "trl"}
+    for name, m in results["main"].items():
+        assert m["s_per_update"] > 0 and m["peak_mib"] > 100 and len(m["runs"][0]["times"]) == 1, name
+    table = (out / "results.md").read_text()
+    assert all(f"| {name} |" in table for name in ("ours", "raw", "trl"))

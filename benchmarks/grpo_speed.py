@@ -185,19 +185,21 @@ def trl_step_times(args: Args) -> list[float]:
 
 
 def run_trl(args: Args, repeat: int) -> dict:
-    result = os.path.join(args.out_dir, f"trl_{repeat}.json")
+    result = os.path.join(args.out_dir, "trl", f"run_{repeat}.json")
+    os.makedirs(os.path.dirname(result), exist_ok=True)
     cmd = [args.trl_python, os.path.abspath(__file__), "--role", "trl", "--result", result, "--task", args.task,
            "--steps", str(args.steps), *(f"--extra={flag}" for flag in args.extra)]
     print("$", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT, TRL_EXPERIMENTAL_SILENCE="1"),
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     with open(result) as f:
-        seconds = statistics.median(json.load(f))
-    return {"samples_per_s": run_settings(args).batch_size / seconds, "lag_mean": 0.0}  # on-policy: generates, then trains
+        step_s = json.load(f)
+    # on-policy: it generates, then trains
+    return {"samples_per_s": run_settings(args).batch_size / statistics.median(step_s), "lag_mean": 0.0, "step_s": step_s}
 
 
 def markdown(args: Args, runs: dict[str, list[dict]], updates: list[dict]) -> str:
-    med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
+    med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "step_s"} for name, rs in runs.items()}
     pipeline = med["pipeline"]
     lines = [f"GRPO `{args.task}` preset, {args.steps} optimizer steps per run, median of {args.repeats} runs per schedule, "
              f"{os.cpu_count()} CPU cores.", "",

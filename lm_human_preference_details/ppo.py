@@ -165,22 +165,27 @@ def ratio_diagnostics(logprobs: Tensor, old_logprobs: Tensor) -> dict[str, Tenso
     """How far one minibatch's update moved the policy, beyond OAI's approxkl and clipfrac: mean,
     population variance, max and min of the ratio pi/pi_old and of the logprob difference over all
     B*T tokens (the N-implementation-details post compares TF-style and torch Adam with these).
-    Detached 0-d tensors; across minibatches take the max of the `*_max` keys, the min of `*_min`,
-    the mean of the rest (`reduce_minibatch_stats`)."""
+    Detached 0-d tensors; over minibatches and processes they reduce as `stat_reduction` says."""
     with torch.no_grad():
         diff = logprobs - old_logprobs
         stats = {}
         for name, x in (("ratio", torch.exp(diff)), ("logprob_diff", diff)):
-            stats.update({f"policy/{name}_mean": x.mean(), f"policy/{name}_var": x.var(correction=0),
+            mean, var = _moments(x)
+            stats.update({f"policy/{name}_mean": mean, f"policy/{name}_var": var,
                           f"policy/{name}_max": x.max(), f"policy/{name}_min": x.min()})
         return stats
 
 
+def stat_reduction(key: str) -> str:
+    """How a stat combines over minibatches, epochs and processes: `max` for `*_max` keys, `min` for
+    `*_min`, else OAI's `mean`."""
+    return "max" if key.endswith("_max") else "min" if key.endswith("_min") else "mean"
+
+
 def reduce_minibatch_stats(stats: dict[str, list[Tensor]]) -> dict[str, Tensor]:
-    """One value per key over the minibatches (and epochs) of a batch: OAI's mean, except the max of
-    `*_max` keys and the min of `*_min` keys."""
-    reduce = {"_max": torch.max, "_min": torch.min}
-    return {k: reduce.get(k[-4:], torch.mean)(torch.stack(v)) for k, v in stats.items()}
+    """One value per key over the minibatches (and epochs) of a batch (`stat_reduction`)."""
+    reduce = {"max": torch.max, "min": torch.min, "mean": torch.mean}
+    return {k: reduce[stat_reduction(k)](torch.stack(v)) for k, v in stats.items()}
 
 
 def ppo_loss(

@@ -272,11 +272,12 @@ def train(args: Args, accelerator) -> tuple[PolicyAndValue, ppo.AdaptiveKLContro
                 texts = [tokenizer.decode(strip_pad(r, pad_id)) for r in scored]
                 query_texts = [tokenizer.decode(strip_pad(q, pad_id)) for q in queries]
                 local["objective/labeler_score"] = torch.tensor(eval_labeler(query_texts, texts), dtype=torch.float32, device=device).mean()
-            # across processes: the mean, except the max of `*_max` and the min of `*_min` (max of the negated)
-            sign = {k: -1.0 if k.endswith("_min") else 1.0 for k in local}
+            # across processes as ppo.stat_reduction says (accelerate has no min: the max of the negated)
+            sign = {k: -1.0 if ppo.stat_reduction(k) == "min" else 1.0 for k in local}
+            by_reduction = {"max": sorted(k for k in local if ppo.stat_reduction(k) != "mean"),
+                            "mean": sorted(k for k in local if ppo.stat_reduction(k) == "mean")}
             metrics = {}
-            for reduction, keys in (("max", sorted(k for k in local if k.endswith(("_max", "_min")))),
-                                    ("mean", sorted(k for k in local if not k.endswith(("_max", "_min"))))):
+            for reduction, keys in by_reduction.items():
                 reduced = accelerator.reduce(torch.stack([sign[k] * local[k].float() for k in keys]), reduction)
                 metrics.update({k: sign[k] * float(v) for k, v in zip(keys, reduced)})
         metrics["ppo/val/var_explained"] = 1 - metrics["ppo/val/error"] / max(metrics["ppo/returns/var"], 1e-12)  # OAI: train_policy.py#L241

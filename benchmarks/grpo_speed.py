@@ -5,9 +5,11 @@
 Runs `grpo.launch` in `pipeline` mode and in `sync` mode for each G of `--sync-steps`, `--repeats`
 times in interleaved order (so that a slow spell of the machine hits every schedule alike), and
 prints per schedule the median samples/s, tokens/s and mean lag, and the ratio pipeline / sync.
+When the preset sends its weight updates in buckets (`--update-bucket-mb`), the pipeline also runs
+with one broadcast per tensor (PipelineRL's way), as a row of its own.
 Then the weight update itself for each of `--update-models`: a server generating at full batch, the
-trainer's broadcast (announce, one broadcast per tensor, until received) and the server's pause
-(decoding stopped for the swap), median over `--updates` updates.
+trainer's broadcast (announce, then one broadcast per tensor or per bucket, until received) and the
+server's pause (decoding stopped for the swap), median over `--updates` updates each way.
 
 Throughput is samples trained / trainer wall time from its first wait for data to its last step.
 With `--trl-python` (an environment with trl==1.16.0) a row for TRL's GRPOTrainer (no vLLM) at the
@@ -42,6 +44,10 @@ class Args:
     """models whose weight update is timed (empty: skip)"""
     updates: int = 10
     """weight updates timed per model"""
+    update_bucket_mb: float = 16.0
+    """the weight update is timed one broadcast per tensor and with buckets of this many MiB"""
+    per_tensor_row: bool = True
+    """when the preset sends its updates in buckets, also run the pipeline with one broadcast per tensor"""
     out_dir: str = "runs/grpo_speed"
     """runs, results.json and results.md go here"""
     extra: list[str] = field(default_factory=list)
@@ -57,7 +63,10 @@ class Args:
 
 
 def schedules(args: Args) -> list[tuple[str, list[str]]]:
-    return [("pipeline", ["--mode", "pipeline"])] + [(f"sync G={g}", ["--mode", "sync", "--sync-steps", str(g)]) for g in args.sync_steps]
+    pipeline = [("pipeline", ["--mode", "pipeline"])]
+    if args.per_tensor_row and run_settings(args).update_bucket_mb:
+        pipeline.append(("pipeline, per-tensor updates", ["--mode", "pipeline", "--update-bucket-mb", "0"]))
+    return pipeline + [(f"sync G={g}", ["--mode", "sync", "--sync-steps", str(g)]) for g in args.sync_steps]
 
 
 def run_schedule(args: Args, name: str, flags: list[str], repeat: int) -> dict:
@@ -77,12 +86,13 @@ def run_schedule(args: Args, name: str, flags: list[str], repeat: int) -> dict:
     }
 
 
-def time_weight_updates(model: str, updates: int) -> dict:
-    """A real server generating at full batch; the trainer side pushes `updates` new versions."""
+def time_weight_updates(model: str, updates: int, bucket_mb: float) -> dict:
+    """A real server generating at full batch; the trainer side pushes `updates` new versions one
+    broadcast per tensor, then `updates` more in buckets of `bucket_mb` MiB."""
     import torch
 
     from lm_human_preference_details.grpo.server import request_json, wait_until_serving
-    from lm_human_preference_details.grpo.weights import WeightSender, free_port
+    from lm_human_preference_details.grpo.weights import WeightSender, buckets, free_port, parameter_specs
     from lm_human_preference_details.models import load_causal_lm
 
     port = free_port()
@@ -97,21 +107,28 @@ def time_weight_updates(model: str, updates: int) -> dict:
         busy = threading.Event()
         load = threading.Thread(target=_keep_generating, args=(url, busy), daemon=True)
         load.start()
-        broadcast = []
-        for version in range(1, updates + 1):
-            with torch.no_grad():
-                next(trainer_model.parameters()).add_(1e-3)
-            start = time.perf_counter()
-            sender.push(trainer_model, version)
-            sender.wait()
-            broadcast.append(time.perf_counter() - start)
-        while request_json("GET", f"{url}/health")["model_version"] != updates:
-            time.sleep(0.01)
+        timed = {}
+        version = 0
+        for name, bucket_bytes in (("per_tensor", 0), ("bucketed", int(bucket_mb * 2**20))):
+            broadcast, pauses = [], []
+            for _ in range(updates):
+                version += 1
+                with torch.no_grad():
+                    next(trainer_model.parameters()).add_(1e-3)
+                start = time.perf_counter()
+                sender.push(trainer_model, version, bucket_bytes=bucket_bytes)
+                sender.wait()
+                broadcast.append(time.perf_counter() - start)
+                while request_json("GET", f"{url}/health")["model_version"] != version:
+                    time.sleep(0.001)
+                pauses.append(request_json("GET", f"{url}/metrics")["pause_s_last"])
+            timed[name] = {"broadcast_s": statistics.median(broadcast), "pause_s": statistics.median(pauses)}
         metrics = request_json("GET", f"{url}/metrics")
         busy.set()
         parameters = sum(p.numel() for p in trainer_model.parameters())
-        return {"model": model, "parameters": parameters, "tensors": len(list(trainer_model.parameters())),
-                "broadcast_s": statistics.median(broadcast), "pause_s": metrics["pause_s_mean"],
+        specs = parameter_specs(trainer_model)
+        return {"model": model, "parameters": parameters, "tensors": len(specs), "bucket_mb": bucket_mb,
+                "broadcasts_bucketed": len(buckets(specs, int(bucket_mb * 2**20))), **timed,
                 "generated_tokens_meanwhile": metrics["generated_tokens"]}
     finally:
         server.terminate()
@@ -210,10 +227,14 @@ def markdown(args: Args, runs: dict[str, list[dict]], updates: list[dict]) -> st
         lines.append(f"| {name} | {m['samples_per_s']:.0f} | {tokens} | {m['lag_mean']:.2f} | {success} | "
                      f"{pipeline['samples_per_s'] / m['samples_per_s']:.2f}x |")
     if updates:
-        lines += ["", "Weight update while the server decodes (median of the timed updates):", "",
-                  "| model | parameters | tensors | trainer broadcast (s) | server pause (ms) |", "|---|---|---|---|---|"]
+        lines += ["", "Weight update while the server decodes (median of the timed updates; trainer broadcast = "
+                  "announce until received, server pause = decoding stopped for the swap):", "",
+                  "| model | parameters | broadcasts | trainer broadcast (ms) | server pause (ms) |", "|---|---|---|---|---|"]
         for u in updates:
-            lines.append(f"| {u['model']} | {u['parameters'] / 1e6:.1f}M | {u['tensors']} | {u['broadcast_s']:.3f} | {u['pause_s'] * 1e3:.2f} |")
+            for name, count in (("per_tensor", f"{u['tensors']} (one per tensor)"),
+                                ("bucketed", f"{u['broadcasts_bucketed']} ({u['bucket_mb']:g} MiB buckets)")):
+                lines.append(f"| {u['model']} | {u['parameters'] / 1e6:.1f}M | {count} | {u[name]['broadcast_s'] * 1e3:.1f} | "
+                             f"{u[name]['pause_s'] * 1e3:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -232,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
             runs[name].append(run_schedule(args, name, flags, repeat))
         if args.trl_python:
             runs["trl GRPOTrainer"].append(run_trl(args, repeat))
-    updates = [time_weight_updates(model, args.updates) for model in args.update_models]
+    updates = [time_weight_updates(model, args.updates, args.update_bucket_mb) for model in args.update_models]
     table = markdown(args, runs, updates)
     with open(os.path.join(args.out_dir, "results.json"), "w") as f:
         json.dump({"runs": runs, "updates": updates}, f, indent=2)

@@ -15,7 +15,7 @@ from conftest import free_port, save_tiny_math_with_chat_template
 
 from lm_human_preference_details.assets import resolve_model_path
 from lm_human_preference_details.grpo.server import ServerError, request_json, wait_until_serving
-from lm_human_preference_details.grpo.weights import WeightSender, digest, parameter_specs
+from lm_human_preference_details.grpo.weights import ParameterSpec, WeightSender, buckets, digest, parameter_specs
 from lm_human_preference_details.models import load_causal_lm
 
 @pytest.fixture(scope="module")
@@ -147,6 +147,29 @@ def test_weight_update_is_bitwise_and_sequences_in_flight_span_two_versions(serv
     assert metrics["weight_updates"] == 1 and metrics["pause_s_last"] > 0
 
 
+def test_buckets_group_consecutive_tensors_of_one_dtype_up_to_the_size():
+    specs = [ParameterSpec("a", (10,), "float32"), ParameterSpec("b", (2, 5), "float32"), ParameterSpec("c", (30,), "float32"),
+             ParameterSpec("d", (4,), "bfloat16"), ParameterSpec("e", (4,), "float32")]
+    assert buckets(specs, 0) == [[0], [1], [2], [3], [4]]  # one broadcast per tensor
+    assert buckets(specs, 80) == [[0, 1], [2], [3], [4]]  # 40 + 40 bytes fit; c (120 bytes) goes alone
+    assert buckets(specs, 1000) == [[0, 1, 2], [3], [4]]  # a dtype change starts a new bucket
+
+
+def test_a_bucketed_update_is_bitwise_too(server, trainer_side):
+    model, sender = trainer_side
+    version = request_json("GET", f"{server}/health")["model_version"] + 1
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    tensor_bytes = [p.numel() * 4 for p in model.parameters()]
+    bucket_bytes = sum(tensor_bytes) // 3  # several buckets, and tensors alone where larger
+    assert 1 < len(buckets(parameter_specs(model), bucket_bytes)) < len(tensor_bytes)
+    assert sender.push(model, version, bucket_bytes=bucket_bytes) == [] and sender.wait() == []
+    while request_json("GET", f"{server}/health")["model_version"] != version:
+        time.sleep(0.01)
+    assert request_json("GET", f"{server}/weights_digest")["digests"] == digest(model)
+
+
 def test_a_mismatched_update_is_refused_and_the_old_weights_keep_serving(server, trainer_side):
     model, _ = trainer_side
     before = request_json("GET", f"{server}/weights_digest")
@@ -161,6 +184,8 @@ def test_a_mismatched_update_is_refused_and_the_old_weights_keep_serving(server,
         assert status == 400 and "refused" in reply["error"] and reason in reply["error"]
     status, reply = post_raw(f"{server}/request_weight_update", json.dumps({"version": before["model_version"], "parameters": specs}).encode())
     assert status == 400 and "'version'" in reply["error"]  # not newer than what serves
+    status, reply = post_raw(f"{server}/request_weight_update", json.dumps({"version": version, "parameters": specs, "bucket_bytes": -1}).encode())
+    assert status == 400 and "'bucket_bytes'" in reply["error"]
     assert request_json("GET", f"{server}/weights_digest") == before
     reply = request_json("POST", f"{server}/v1/completions", {"prompt": "1+1=", "max_tokens": 3})
     assert set(reply["choices"][0]["model_versions"]) == {before["model_version"]}

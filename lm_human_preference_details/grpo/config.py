@@ -81,6 +81,9 @@ class GRPOArgs(RunArgs):
     """k3 KL penalty to the initial policy (0: no reference model)"""
     token_budget: int = 4096
     """tokens (rows x padded length) per forward/backward micro-batch"""
+    sample_interval: int = 10
+    """optimizer steps between sample tables (samples.jsonl and wandb; a wandb Table every step would
+    cost the tiny preset's trainer a fifth of its time)"""
     save_interval: int = 20
     """checkpoint every N optimizer steps (0: never); `--resume` continues from the last one"""
     resume: bool = False
@@ -100,6 +103,10 @@ class GRPOArgs(RunArgs):
     """problems sent in one completion request (OpenAI's list-of-prompts form); fewer, larger requests
     cost the servers less HTTP and prefill per sample. Divides batch_size / group_size (a request never
     spans two optimizer steps); with `chat` each problem still goes in a request of its own"""
+    update_bucket_mb: float = 0.0
+    """weight updates go out as flat buckets of consecutive tensors, at most this many MiB each
+    (0: one broadcast per tensor, PipelineRL's way; on gloo each broadcast costs about 0.3 ms of CPU
+    per side however small, which a tiny model's update is mostly made of)"""
     stream: str = ""
     """where samples go: empty = `<output_dir>/stream.jsonl`, or `redis://HOST:PORT/DB?stream=NAME`"""
     trainer_host: str = "127.0.0.1"
@@ -126,13 +133,13 @@ class GRPOArgs(RunArgs):
         if self.batch_size % self.group_size:
             raise UserError(f"--batch-size {self.batch_size} must be a multiple of --group-size {self.group_size}")
         for name in ("steps", "sync_steps", "steps_ahead", "num_servers", "server_batch_size", "max_in_flight",
-                     "problems_per_request", "max_tokens", "threads"):
+                     "problems_per_request", "max_tokens", "threads", "sample_interval"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         for name in ("temperature", "lr", "ratio_cap", "clip_eps", "grad_clip", "request_timeout_s"):
             if getattr(self, name) <= 0:
                 raise UserError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
-        for name in ("kl_coef", "save_interval"):
+        for name in ("kl_coef", "save_interval", "update_bucket_mb"):
             if getattr(self, name) < 0:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.groups_per_step() % self.problems_per_request:
@@ -144,10 +151,11 @@ class GRPOArgs(RunArgs):
 
 PRESETS: dict[str, GRPOArgs] = {
     # learns in a minute on a CPU: the format-taught tiny model, sums of two digits 0-4 (25 problems)
-    # (the tiny model is cheap to run: a server batch of 256 amortises each decode step's overhead)
+    # (the tiny model is cheap to run: a server batch of 256 amortises each decode step's overhead,
+    # and its 28 tensors go to the servers as one broadcast, not 28)
     "tiny": GRPOArgs(preset="tiny", model="tiny-math", problems="tiny-sums", answer_prefix="\\boxed{",
                      group_size=8, batch_size=64, max_tokens=6, steps=100, lr=5e-4, steps_ahead=4,
-                     server_batch_size=256, problems_per_request=2),
+                     server_batch_size=256, problems_per_request=2, update_bucket_mb=16),
     # a real pretrained LM (SmolLM2-135M-Instruct, offline) completing `4+5=\boxed{`: about 3% right at
     # the start; sized for a GPU (on 2 CPU cores a step takes about 10 s)
     "arith": GRPOArgs(preset="arith", model="smollm2-135m", problems="arith", arith_digits=1,

@@ -10,9 +10,10 @@ Endpoints (docs/DESIGN.md, "The GRPO pipeline contract"):
   Both return per choice the token ids, per-token logprobs (at the sampling temperature) and
   `model_versions`, the weight version that sampled each token.
 - `POST /init_process_group` {init_method, rank, world_size, backend}: join the trainer's group.
-- `POST /request_weight_update` {version, parameters: [{name, shape, dtype}]}: checked against the
-  model before anything is received (a mismatch is refused with 400 and the old weights keep
-  serving); on 200 a receiver thread takes the broadcast (one per tensor) into fresh buffers while
+- `POST /request_weight_update` {version, parameters: [{name, shape, dtype}], bucket_bytes}: checked
+  against the model before anything is received (a mismatch is refused with 400 and the old weights
+  keep serving); on 200 a receiver thread takes the broadcast (one per tensor, or with bucket_bytes > 0
+  one per flat bucket of consecutive tensors, `weights.buckets`) into fresh buffers while
   decoding goes on, then the engine swaps them all in between two decode steps: decoding pauses
   only for the copy, and sequences in flight keep their KV cache.
 - `GET /health` (`?wait_for_version=N` long-polls until version N serves), `GET /metrics` (JSON counters: tokens, requests, updates, pause per update),
@@ -241,6 +242,7 @@ class InferenceServer:
             specs = [ParameterSpec.from_json(p) for p in _field(body, "parameters", list, None, need="a list")]
         except (KeyError, TypeError, ValueError) as error:
             raise BadRequest(f"field 'parameters': each entry needs name, shape and dtype ({error})") from None
+        bucket_bytes = _field(body, "bucket_bytes", int, 0, lambda v: v >= 0, "an integer >= 0 (0: one broadcast per tensor)")
         reasons = mismatches(self.specs, specs)
         if reasons:
             raise BadRequest(f"update refused, the old weights keep serving: {'; '.join(reasons[:10])}"
@@ -251,7 +253,7 @@ class InferenceServer:
 
         def receive_then_swap() -> None:  # on a receiver thread: decoding goes on meanwhile
             try:
-                tensors = receive_tensors(self.weight_group, specs, device)
+                tensors = receive_tensors(self.weight_group, specs, device, bucket_bytes)
             except Exception as error:  # the group is broken: no later update can arrive either
                 first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
                 self.stale = f"receiving weights version {version} failed ({first_line}); this server's weights are out of date"

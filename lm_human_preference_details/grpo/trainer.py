@@ -158,7 +158,7 @@ def train(args: GRPOArgs, server_urls: list[str]) -> None:
         push_s = 0.0
         if version % push_every == 0 or version == args.steps:
             push_start = time.perf_counter()
-            dropped = sender.push(model, version, dtype=server_dtype)
+            dropped = sender.push(model, version, dtype=server_dtype, bucket_bytes=int(args.update_bucket_mb * 2**20))
             push_s = time.perf_counter() - push_start
             if dropped:
                 log.warning("servers dropped from weight updates: %s", dropped)
@@ -182,8 +182,9 @@ def train(args: GRPOArgs, server_urls: list[str]) -> None:
             "ess": effective_sample_size(torch.cat(ratios), torch.ones(int(tokens), device=device)).item(),
         }
         tracker.log(version, metrics)
-        tracker.log_samples(version, [{"problem_id": s["problem_id"], "reward": s["reward"], "completion": s.get("text", "")}
-                                      for s in samples[: args.group_size]])
+        if version % args.sample_interval == 0 or version == args.steps:
+            tracker.log_samples(version, [{"problem_id": s["problem_id"], "reward": s["reward"], "completion": s.get("text", "")}
+                                          for s in samples[: args.group_size]])
         log.info("step %d reward %.3f lag %.2f samples/s %.1f", version, metrics["reward/mean"], metrics["lag/mean"], metrics["samples_per_s"])
         if args.save_interval and (version % args.save_interval == 0 or version == args.steps):
             save_checkpoint(args.output_dir, model, tokenizer, optimizer, version, reader.position - len(buffered))

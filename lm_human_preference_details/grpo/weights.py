@@ -5,12 +5,16 @@ gloo on the CPU and NCCL on GPUs. One group per server, not one for all: a serve
 only its own group down, and the trainer carries on with the others. The groups are built from a
 TCPStore, outside `torch.distributed`'s default group, so a trainer launched by accelerate keeps its
 own. An update is announced over HTTP with every tensor's name, shape and dtype; the server checks
-them against its model before anything is received, then the trainer broadcasts tensor by tensor.
+them against its model before anything is received, then the trainer broadcasts tensor by tensor
+(PipelineRL's way), or, with a bucket size, consecutive tensors concatenated into flat buckets: on
+gloo every broadcast costs about 0.3 ms of CPU on each side however small its tensor, so a small
+model's 28 tensors cost 20 times what one bucket of them does.
 """
 
 import datetime
 import hashlib
 import logging
+import math
 import queue
 import socket
 import threading
@@ -97,12 +101,36 @@ class WeightGroup:
         return self.group.broadcast([tensor], options)
 
 
-def receive_tensors(group: WeightGroup, specs: list[ParameterSpec], device) -> list[torch.Tensor]:
-    """Server side: one broadcast per tensor, each into a fresh buffer (the model is not touched)."""
-    buffers = [torch.empty(spec.shape, dtype=DTYPES[spec.dtype], device=device) for spec in specs]
-    for work in [group.broadcast(buffer) for buffer in buffers]:
+def buckets(specs: list[ParameterSpec], bucket_bytes: int) -> list[list[int]]:
+    """Which tensors of an update go in which broadcast (indices into `specs`, in order): consecutive
+    tensors of one dtype, up to `bucket_bytes` per broadcast (a larger tensor goes alone); 0: one
+    broadcast per tensor. Trainer and server both derive it from the announced specs and size."""
+    plan: list[list[int]] = []
+    size = 0
+    for i, spec in enumerate(specs):
+        nbytes = math.prod(spec.shape) * DTYPES[spec.dtype].itemsize
+        if plan and size + nbytes <= bucket_bytes and specs[plan[-1][0]].dtype == spec.dtype:
+            plan[-1].append(i)
+            size += nbytes
+        else:
+            plan.append([i])
+            size = nbytes
+    return plan
+
+
+def receive_tensors(group: WeightGroup, specs: list[ParameterSpec], device, bucket_bytes: int = 0) -> list[torch.Tensor]:
+    """Server side: one broadcast per bucket (`buckets`), each into a fresh flat buffer (the model is
+    not touched); returns one tensor per spec, views of those buffers."""
+    plan = buckets(specs, bucket_bytes)
+    flat = [torch.empty(sum(math.prod(specs[i].shape) for i in bucket), dtype=DTYPES[specs[bucket[0]].dtype], device=device)
+            for bucket in plan]
+    for work in [group.broadcast(buffer) for buffer in flat]:
         work.wait()
-    return buffers
+    tensors: list[torch.Tensor] = []
+    for bucket, buffer in zip(plan, flat):
+        pieces = buffer.split([math.prod(specs[i].shape) for i in bucket])
+        tensors += [piece.view(specs[i].shape) for i, piece in zip(bucket, pieces)]
+    return tensors
 
 
 def load_tensors(model: torch.nn.Module, specs: list[ParameterSpec], tensors: list[torch.Tensor]) -> None:
@@ -138,17 +166,19 @@ class WeightSender:
         self.last_broadcast_s = 0.0  # announce to received, of the last push that completed
         threading.Thread(target=self._send_forever, name="weight-sender", daemon=True).start()
 
-    def push(self, model: torch.nn.Module, version: int, dtype: torch.dtype | None = None) -> list[str]:
+    def push(self, model: torch.nn.Module, version: int, dtype: torch.dtype | None = None, bucket_bytes: int = 0) -> list[str]:
         """Snapshot the parameters and hand them to the sender thread (announce to every live server,
-        then one broadcast per tensor), so the next optimizer step overlaps the transfer. Blocks only
-        while an earlier snapshot still waits its turn (one is sent, one may wait). Returns the servers
-        dropped so far (unreachable); raises if a server refused an update (trainer and servers
-        disagree about the model)."""
+        then one broadcast per tensor, or per bucket of at most `bucket_bytes`), so the next optimizer
+        step overlaps the transfer. Blocks only while an earlier snapshot still waits its turn (one is
+        sent, one may wait). Returns the servers dropped so far (unreachable); raises if a server
+        refused an update (trainer and servers disagree about the model)."""
         self._raise_if_refused()
         specs = parameter_specs(model, dtype)
-        with torch.no_grad():
-            snapshot = [p.detach().to(dtype or p.dtype, copy=True) for _, p in model.named_parameters()]
-        self._queue.put((specs, snapshot, version))
+        parameters = [p for _, p in model.named_parameters()]
+        with torch.no_grad():  # one copy per bucket: a tensor alone is copied, a bucket's are concatenated
+            snapshot = [torch.cat([parameters[i].detach().reshape(-1).to(dtype or parameters[i].dtype) for i in bucket])
+                        for bucket in buckets(specs, bucket_bytes)]
+        self._queue.put((specs, snapshot, version, bucket_bytes))
         return self._take_dropped()
 
     def wait(self) -> list[str]:
@@ -169,16 +199,16 @@ class WeightSender:
 
     def _send_forever(self) -> None:
         while True:
-            specs, snapshot, version = self._queue.get()
+            specs, snapshot, version, bucket_bytes = self._queue.get()
             try:
                 if self._refused is None:  # after a refusal nothing more is sent
-                    self._send(specs, snapshot, version)
+                    self._send(specs, snapshot, version, bucket_bytes)
             finally:
                 self._queue.task_done()
 
-    def _send(self, specs: list[ParameterSpec], snapshot: list[torch.Tensor], version: int) -> None:
+    def _send(self, specs: list[ParameterSpec], snapshot: list[torch.Tensor], version: int, bucket_bytes: int) -> None:
         start = time.perf_counter()
-        payload = {"version": version, "parameters": [s.to_json() for s in specs]}
+        payload = {"version": version, "parameters": [s.to_json() for s in specs], "bucket_bytes": bucket_bytes}
         for url in list(self.groups):
             try:
                 request_json("POST", f"{url}/request_weight_update", payload, timeout_s=self.timeout_s)

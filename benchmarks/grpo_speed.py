@@ -1,6 +1,7 @@
 """Pipelined vs synchronous GRPO, side by side in one run: same model, task and sample budget.
 
     python benchmarks/grpo_speed.py --task tiny --steps 200 --repeats 2 --out-dir benchmarks/results/grpo_speed
+    python benchmarks/grpo_speed.py ... -- --max-tokens 24 --ignore-eos    # flags after `--` go to every launch
 
 Runs `grpo.launch` in `pipeline` mode and in `sync` mode for each G of `--sync-steps`, `--repeats`
 times in interleaved order (so that a slow spell of the machine hits every schedule alike), and
@@ -27,6 +28,8 @@ from dataclasses import dataclass, field
 
 import tyro
 
+from lm_human_preference_details.cli import split_passthrough
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -50,8 +53,8 @@ class Args:
     """when the preset sends its updates in buckets, also run the pipeline with one broadcast per tensor"""
     out_dir: str = "runs/grpo_speed"
     """runs, results.json and results.md go here"""
-    extra: list[str] = field(default_factory=list)
-    """flags passed to every launch unchanged (e.g. --extra=--max-tokens --extra=32)"""
+    extra: tyro.conf.Suppress[list[str]] = field(default_factory=list)
+    """the flags after `--`, passed to every launch unchanged (e.g. `-- --max-tokens 24 --ignore-eos`)"""
     trl_python: str | None = None
     """python of an environment with trl==1.16.0 (`python -m venv --system-site-packages .venv-trl116 &&
     .venv-trl116/bin/pip install --no-deps trl==1.16.0`): adds a row for TRL's GRPOTrainer (no vLLM) on
@@ -192,6 +195,8 @@ def trl_step_times(args: Args) -> list[float]:
             output_dir=out, per_device_train_batch_size=settings.batch_size, num_generations=settings.group_size,
             steps_per_generation=1, gradient_accumulation_steps=1, max_completion_length=settings.max_tokens,
             max_steps=args.steps, learning_rate=settings.lr, temperature=settings.temperature, beta=0.0,
+            # --ignore-eos: every completion max_tokens long, as the servers sample them
+            generation_kwargs={"min_new_tokens": settings.max_tokens} if settings.ignore_eos else None,
             report_to="none", save_strategy="no", logging_steps=1, use_cpu=True, seed=0, disable_tqdm=True,
         )
         dataset = Dataset.from_dict({"prompt": [p.prompt for p in problems], "answer": [p.answer for p in problems]})
@@ -205,7 +210,7 @@ def run_trl(args: Args, repeat: int) -> dict:
     result = os.path.join(args.out_dir, "trl", f"run_{repeat}.json")
     os.makedirs(os.path.dirname(result), exist_ok=True)
     cmd = [args.trl_python, os.path.abspath(__file__), "--role", "trl", "--result", result, "--task", args.task,
-           "--steps", str(args.steps), *(f"--extra={flag}" for flag in args.extra)]
+           "--steps", str(args.steps), "--", *args.extra]
     print("$", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT, TRL_EXPERIMENTAL_SILENCE="1"),
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -239,7 +244,9 @@ def markdown(args: Args, runs: dict[str, list[dict]], updates: list[dict]) -> st
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = tyro.cli(Args, args=argv)
+    own_flags, launch_flags = split_passthrough(argv)
+    args = tyro.cli(Args, args=own_flags)
+    args.extra = launch_flags
     if args.role == "trl":
         with open(args.result, "w") as f:
             json.dump(trl_step_times(args), f)

@@ -19,6 +19,8 @@ from typing import Literal
 
 import tyro
 
+from lm_human_preference_details.cli import split_passthrough
+
 DEFAULT_METRICS = (
     "objective/scores", "objective/kl", "objective/kl_coef", "objective/labeler_score",
     "ppo/policy/clipfrac", "ppo/policy/approxkl",
@@ -106,9 +108,8 @@ def plot(rows: list[dict], metric: str, path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    stage_flags = argv[argv.index("--") + 1 :] if "--" in argv else []
-    args = tyro.cli(Args, args=argv[: argv.index("--")] if "--" in argv else argv)
+    own_flags, stage_flags = split_passthrough(argv)
+    args = tyro.cli(Args, args=own_flags)
     args.metrics = args.metrics or list(GRPO_METRICS if args.stage == "grpo.launch" else DEFAULT_METRICS)
     os.makedirs(args.out_dir, exist_ok=True)
     source = f"{args.task} {' '.join(stage_flags)}".strip()

@@ -36,6 +36,14 @@ def parse(args_type: type[T], defaults_for_task: Callable[[str], T], default_tas
     return tyro.cli(args_type, default=defaults_for_task(task), args=argv, description=description)
 
 
+def split_passthrough(argv: list[str] | None = None) -> tuple[list[str], list[str]]:
+    """A script's own flags, and the flags after `--` that it hands to the stage it runs."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" not in argv:
+        return argv, []
+    return argv[: argv.index("--")], argv[argv.index("--") + 1 :]
+
+
 def quiet_transformers() -> None:
     """Progress bars and notices drown the training log (each process calls this for itself)."""
     import transformers

@@ -146,7 +146,8 @@ class Actor:
     async def _complete(self, session, problems: list[Problem]) -> list[tuple[list[int], list[dict]]]:
         """`group_size` attempts at each problem: (prompt token ids, its choices) per problem. One
         completion request for all of them (a list of prompts), or one chat request per problem."""
-        sampling = {"max_tokens": self.args.max_tokens, "temperature": self.args.temperature, "n": self.args.group_size}
+        sampling = {"max_tokens": self.args.max_tokens, "temperature": self.args.temperature, "n": self.args.group_size,
+                    "ignore_eos": self.args.ignore_eos}
         if self.args.chat:
             bodies = await asyncio.gather(*(self._request(
                 session, "/v1/chat/completions", {"messages": [{"role": "user", "content": p.prompt}], **sampling}) for p in problems))

@@ -53,6 +53,8 @@ class GRPOArgs(RunArgs):
     """completion length limit (sequences also stop at EOS)"""
     temperature: float = 1.0
     """sampling temperature; the trainer's logprobs use the same one"""
+    ignore_eos: bool = False
+    """sample exactly max_tokens tokens, past EOS (speed benchmarks: every sample costs the same)"""
 
     # optimisation
     steps: int = 60

@@ -9,7 +9,7 @@ adam_tf` and `adam_torch`, for `--updates` PPO updates: same seed, same reward m
 rollout, so the first update differs only by the optimizer. Prints, per optimizer, the mean over
 seeds of the first update's `ppo/policy/approxkl`, `clipfrac` and the ratio / logprob-difference
 statistics, the same over the first `--updates` updates, and the ratio torch / TF. Writes
-`results.md` and `results.json` to `--out-dir`.
+`results.md` and `results.json` to `--out-dir`. Flags after `--` go to every stage-2 run.
 """
 
 import json
@@ -20,6 +20,8 @@ import sys
 from dataclasses import dataclass, field
 
 import tyro
+
+from lm_human_preference_details.cli import split_passthrough
 
 OPTIMIZERS = ("adam_tf", "adam_torch")
 METRICS = (
@@ -39,8 +41,8 @@ class Args:
     """PPO updates per run (the ablation is about the first ones)"""
     out_dir: str = "runs/adam_ablation"
     """the runs, results.json and results.md go here"""
-    extra: list[str] = field(default_factory=list)
-    """flags passed to every stage-2 run unchanged (e.g. --extra=--ppo.lr --extra=1e-4)"""
+    extra: tyro.conf.Suppress[list[str]] = field(default_factory=list)
+    """the flags after `--`, passed to every stage-2 run unchanged (e.g. `-- --ppo.lr 1e-4`)"""
 
 
 def stage(module: str, *flags: str) -> None:
@@ -87,7 +89,9 @@ def markdown(args: Args, summary: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = tyro.cli(Args, args=argv)
+    own_flags, stage_flags = split_passthrough(argv)
+    args = tyro.cli(Args, args=own_flags)
+    args.extra = stage_flags
     from lm_human_preference_details.train_policy import defaults_for_task
 
     os.makedirs(args.out_dir, exist_ok=True)

@@ -17,6 +17,7 @@ With `--trl-python` (an environment with trl==1.16.0) a row for TRL's GRPOTraine
 same settings joins the table: samples/s = batch size / median seconds per optimizer step.
 """
 
+import dataclasses
 import json
 import os
 import statistics
@@ -59,6 +60,15 @@ class Args:
     """python of an environment with trl==1.16.0 (`python -m venv --system-site-packages .venv-trl116 &&
     .venv-trl116/bin/pip install --no-deps trl==1.16.0`): adds a row for TRL's GRPOTrainer (no vLLM) on
     the same model, problems, batch, group size and completion limit; None: no TRL row"""
+    scaling: bool = False
+    """also time seconds per optimizer step of `pipeline` and `sync` (the first G) at each batch size
+    and completion length below (`--ignore-eos`: every completion that long)"""
+    scaling_batches: list[int] = field(default_factory=lambda: [16, 64, 256])
+    """`--scaling`: batch sizes (samples per optimizer step)"""
+    scaling_tokens: list[int] = field(default_factory=lambda: [24, 96])
+    """`--scaling`: completion lengths"""
+    scaling_steps: int = 32
+    """optimizer steps per scaling run (the first fifth, rounded up to whole sync rounds, are not timed)"""
     role: str = "main"
     """internal: `trl` runs TRL's GRPOTrainer in this process and writes --result"""
     result: str = ""
@@ -75,18 +85,35 @@ def schedules(args: Args) -> list[tuple[str, list[str]]]:
 def run_schedule(args: Args, name: str, flags: list[str], repeat: int) -> dict:
     out = os.path.join(args.out_dir, name.replace(" ", "_").replace("=", ""), f"run_{repeat}")
     cmd = [sys.executable, "-m", "lm_human_preference_details.grpo.launch", "--task", args.task, "--steps", str(args.steps),
-           "--output-dir", out, "--wandb-mode", "disabled", "--save-interval", "0", *flags, *args.extra]
+           "--output-dir", out, "--wandb-mode", "disabled", "--save-interval", "0", *args.extra, *flags]  # the row's flags win
     print("$", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     elapsed = rows[-1]["time/elapsed_s"]
     tokens = sum(r["completion/length"] for r in rows) * rows[-1]["samples"] / len(rows)
+    # steps before the steady state (first requests, first updates), whole sync rounds
+    round_steps = int(flags[flags.index("--sync-steps") + 1]) if "--sync-steps" in flags else 1
+    warm = -(-(len(rows) // 5) // round_steps) * round_steps
     return {
         "samples_per_s": rows[-1]["samples"] / elapsed, "tokens_per_s": tokens / elapsed,
+        "s_per_step": (elapsed - (rows[warm - 1]["time/elapsed_s"] if warm else 0.0)) / (len(rows) - warm),
         "lag_mean": statistics.fmean(r["lag/mean"] for r in rows), "success_last_20": statistics.fmean(r["success/rate"] for r in rows[-20:]),
         "wait_data_s": sum(r["time/wait_data_s"] for r in rows), "elapsed_s": elapsed,
     }
+
+
+def scaling(args: Args) -> list[dict]:
+    """Seconds per optimizer step of the pipeline and the first sync schedule at each shape."""
+    g = args.sync_steps[0]
+    compared = [("pipeline", ["--mode", "pipeline"]), (f"sync G={g}", ["--mode", "sync", "--sync-steps", str(g)])]
+    rows = []
+    for batch, tokens in [(batch, tokens) for batch in args.scaling_batches for tokens in args.scaling_tokens]:
+        shape_args = dataclasses.replace(args, steps=args.scaling_steps, out_dir=os.path.join(args.out_dir, "scaling", f"batch{batch}_tokens{tokens}"))
+        shape = ["--batch-size", str(batch), "--max-tokens", str(tokens), "--ignore-eos"]
+        rows.append({"batch": batch, "tokens": tokens,
+                     **{name: run_schedule(shape_args, name, flags + shape, 0)["s_per_step"] for name, flags in compared}})
+    return rows
 
 
 def time_weight_updates(model: str, updates: int, bucket_mb: float) -> dict:
@@ -110,22 +137,22 @@ def time_weight_updates(model: str, updates: int, bucket_mb: float) -> dict:
         busy = threading.Event()
         load = threading.Thread(target=_keep_generating, args=(url, busy), daemon=True)
         load.start()
-        timed = {}
-        version = 0
-        for name, bucket_bytes in (("per_tensor", 0), ("bucketed", int(bucket_mb * 2**20))):
-            broadcast, pauses = [], []
-            for _ in range(updates):
-                version += 1
-                with torch.no_grad():
-                    next(trainer_model.parameters()).add_(1e-3)
-                start = time.perf_counter()
-                sender.push(trainer_model, version, bucket_bytes=bucket_bytes)
-                sender.wait()
-                broadcast.append(time.perf_counter() - start)
-                while request_json("GET", f"{url}/health")["model_version"] != version:
-                    time.sleep(0.001)
-                pauses.append(request_json("GET", f"{url}/metrics")["pause_s_last"])
-            timed[name] = {"broadcast_s": statistics.median(broadcast), "pause_s": statistics.median(pauses)}
+        ways = {"per_tensor": 0, "bucketed": int(bucket_mb * 2**20)}
+        broadcast: dict[str, list[float]] = {name: [] for name in ways}
+        pauses: dict[str, list[float]] = {name: [] for name in ways}
+        for version in range(1, 2 * updates + 1):  # the two ways alternate
+            name = list(ways)[version % 2]
+            with torch.no_grad():
+                next(trainer_model.parameters()).add_(1e-3)
+            paused_before = request_json("GET", f"{url}/metrics")["pause_s_total"]
+            start = time.perf_counter()
+            sender.push(trainer_model, version, bucket_bytes=ways[name])
+            sender.wait()
+            broadcast[name].append(time.perf_counter() - start)
+            while (metrics := request_json("GET", f"{url}/metrics"))["weight_updates"] != version:
+                time.sleep(0.001)
+            pauses[name].append(metrics["pause_s_total"] - paused_before)
+        timed = {name: {"broadcast_s": statistics.median(broadcast[name]), "pause_s": statistics.median(pauses[name])} for name in ways}
         metrics = request_json("GET", f"{url}/metrics")
         busy.set()
         parameters = sum(p.numel() for p in trainer_model.parameters())
@@ -156,7 +183,7 @@ def _keep_generating(url: str, stop: threading.Event) -> None:
 
 
 def run_settings(args: Args):
-    """The GRPOArgs every launch of this benchmark runs with (the preset and `--extra`)."""
+    """The GRPOArgs every launch of this benchmark runs with (the preset and the flags after `--`)."""
     from lm_human_preference_details import cli
     from lm_human_preference_details.grpo.config import GRPOArgs, get_preset
 
@@ -220,7 +247,7 @@ def run_trl(args: Args, repeat: int) -> dict:
     return {"samples_per_s": run_settings(args).batch_size / statistics.median(step_s), "lag_mean": 0.0, "step_s": step_s}
 
 
-def markdown(args: Args, runs: dict[str, list[dict]], updates: list[dict]) -> str:
+def markdown(args: Args, runs: dict[str, list[dict]], updates: list[dict], scaled: list[dict]) -> str:
     med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "step_s"} for name, rs in runs.items()}
     pipeline = med["pipeline"]
     lines = [f"GRPO `{args.task}` preset, {args.steps} optimizer steps per run, median of {args.repeats} runs per schedule, "
@@ -240,6 +267,13 @@ def markdown(args: Args, runs: dict[str, list[dict]], updates: list[dict]) -> st
                                 ("bucketed", f"{u['broadcasts_bucketed']} ({u['bucket_mb']:g} MiB buckets)")):
                 lines.append(f"| {u['model']} | {u['parameters'] / 1e6:.1f}M | {count} | {u[name]['broadcast_s'] * 1e3:.1f} | "
                              f"{u[name]['pause_s'] * 1e3:.2f} |")
+    if scaled:
+        pipeline, sync = [k for k in scaled[0] if k not in ("batch", "tokens")]
+        lines += ["", f"Seconds per optimizer step ({args.scaling_steps} steps per run, the first fifth not timed; every "
+                  "completion as long as the limit):", "",
+                  f"| batch | completion tokens | {pipeline} (s) | {sync} (s) | {sync} / {pipeline} |", "|---|---|---|---|---|"]
+        for row in scaled:
+            lines.append(f"| {row['batch']} | {row['tokens']} | {row[pipeline]:.3f} | {row[sync]:.3f} | {row[sync] / row[pipeline]:.2f}x |")
     return "\n".join(lines) + "\n"
 
 
@@ -261,9 +295,10 @@ def main(argv: list[str] | None = None) -> None:
         if args.trl_python:
             runs["trl GRPOTrainer"].append(run_trl(args, repeat))
     updates = [time_weight_updates(model, args.updates, args.update_bucket_mb) for model in args.update_models]
-    table = markdown(args, runs, updates)
+    scaled = scaling(args) if args.scaling else []
+    table = markdown(args, runs, updates, scaled)
     with open(os.path.join(args.out_dir, "results.json"), "w") as f:
-        json.dump({"runs": runs, "updates": updates}, f, indent=2)
+        json.dump({"runs": runs, "updates": updates, "scaling": scaled}, f, indent=2)
     with open(os.path.join(args.out_dir, "results.md"), "w") as f:
         f.write(table)
     print(table)

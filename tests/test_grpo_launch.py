@@ -186,13 +186,15 @@ def test_the_stream_can_be_a_redis_stream(tmp_path, redis_url):
 
 
 @pytest.mark.slow
-def test_ignore_eos_samples_every_completion_to_the_limit(tmp_path):
-    run = Launched(tmp_path / "run", "--steps", "3", "--ignore-eos", "--max-tokens", "9")
+def test_ignore_eos_samples_every_completion_to_the_limit_and_sample_tables_come_every_interval(tmp_path):
+    run = Launched(tmp_path / "run", "--steps", "3", "--ignore-eos", "--max-tokens", "9", "--sample-interval", "2")
     assert run.finish() == 0, run.output()
     with open(os.path.join(run.output_dir, "stream.jsonl")) as f:
         attempts = [a for line in f for a in json.loads(line)["attempts"]]
     assert len(attempts) >= 3 * 64 and {len(a["completion_ids"]) for a in attempts} == {9}
     assert {a["finish_reason"] for a in attempts} == {"length"}
+    with open(os.path.join(run.output_dir, "samples.jsonl")) as f:
+        assert sorted({json.loads(line)["step"] for line in f}) == [2, 3]  # every 2nd step, and the last
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ from conftest import free_port, save_tiny_math_with_chat_template
 
 from lm_human_preference_details.assets import resolve_model_path
 from lm_human_preference_details.grpo.server import ServerError, request_json, wait_until_serving
-from lm_human_preference_details.grpo.weights import ParameterSpec, WeightSender, buckets, digest, parameter_specs
+from lm_human_preference_details.grpo.weights import ParameterSpec, WeightSender, buckets, digest, flatten, parameter_specs, unflatten
 from lm_human_preference_details.models import load_causal_lm
 
 @pytest.fixture(scope="module")
@@ -153,6 +153,18 @@ def test_buckets_group_consecutive_tensors_of_one_dtype_up_to_the_size():
     assert buckets(specs, 0) == [[0], [1], [2], [3], [4]]  # one broadcast per tensor
     assert buckets(specs, 80) == [[0, 1], [2], [3], [4]]  # 40 + 40 bytes fit; c (120 bytes) goes alone
     assert buckets(specs, 1000) == [[0, 1, 2], [3], [4]]  # a dtype change starts a new bucket
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_flatten_then_unflatten_gives_back_every_tensor(dtype):
+    tensors = [torch.randn(3, 4), torch.randn(5), torch.randn(2, 2, 2), torch.randn(7)]
+    specs = parameter_specs(torch.nn.ParameterList(tensors), dtype)
+    plan = buckets(specs, 80 if dtype is None else 40)  # 20 floats a bucket: [0, 1], [2, 3]
+    assert plan == [[0, 1], [2, 3]]
+    flat = flatten(tensors, plan, dtype)
+    assert [f.numel() for f in flat] == [17, 15] and all(f.dtype == (dtype or torch.float32) for f in flat)
+    for tensor, back in zip(tensors, unflatten(flat, specs, plan)):
+        assert torch.equal(back, tensor.to(dtype or tensor.dtype))
 
 
 def test_a_bucketed_update_is_bitwise_too(server, trainer_side):

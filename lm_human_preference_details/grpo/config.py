@@ -50,7 +50,7 @@ class GRPOArgs(RunArgs):
     group_size: int = 8
     """attempts per problem (the group whose mean reward is the baseline)"""
     max_tokens: int = 8
-    """completion length limit (sequences also stop at EOS)"""
+    """completion length limit (sequences also stop at EOS, unless `ignore_eos`)"""
     temperature: float = 1.0
     """sampling temperature; the trainer's logprobs use the same one"""
     ignore_eos: bool = False
@@ -85,7 +85,7 @@ class GRPOArgs(RunArgs):
     """tokens (rows x padded length) per forward/backward micro-batch"""
     sample_interval: int = 10
     """optimizer steps between sample tables (samples.jsonl and wandb; a wandb Table every step would
-    cost the tiny preset's trainer a fifth of its time)"""
+    cost the tiny preset's trainer a tenth of its time)"""
     save_interval: int = 20
     """checkpoint every N optimizer steps (0: never); `--resume` continues from the last one"""
     resume: bool = False

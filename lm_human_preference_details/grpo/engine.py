@@ -190,8 +190,8 @@ class Engine:
             return
         self.version = result
         pause = time.perf_counter() - start
+        self.stats["pause_s_total"] += pause  # before the count: whoever sees the update counted sees its pause
         self.stats["updates"] += 1
-        self.stats["pause_s_total"] += pause
         future.set_result(pause)
 
     def _prefill(self, admitted: list[_Sequence]) -> None:

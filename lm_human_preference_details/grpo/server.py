@@ -269,7 +269,7 @@ class InferenceServer:
 
         self.announced_version = version
         self.receives.put(receive_then_swap)
-        return web.json_response({"accepted": True, "version": version})
+        return web.json_response({"accepted": True, "version": version, "bucket_bytes": bucket_bytes})
 
     def _update_done(self, pause) -> None:
         if pause.exception() is not None:
@@ -374,12 +374,13 @@ def load_for_inference(name_or_path: str, device: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from lm_human_preference_details.assets import resolve_model_path
+    from lm_human_preference_details.models import pretrained_config
 
     path = resolve_model_path(name_or_path)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device)
+    model = AutoModelForCausalLM.from_pretrained(path, config=pretrained_config(path), dtype=dtype, attn_implementation="sdpa").to(device)
     return model, AutoTokenizer.from_pretrained(path)
 
 

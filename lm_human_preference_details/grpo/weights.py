@@ -109,7 +109,7 @@ def buckets(specs: list[ParameterSpec], bucket_bytes: int) -> list[list[int]]:
     size = 0
     for i, spec in enumerate(specs):
         nbytes = math.prod(spec.shape) * DTYPES[spec.dtype].itemsize
-        if plan and size + nbytes <= bucket_bytes and specs[plan[-1][0]].dtype == spec.dtype:
+        if bucket_bytes and plan and size + nbytes <= bucket_bytes and specs[plan[-1][0]].dtype == spec.dtype:
             plan[-1].append(i)
             size += nbytes
         else:
@@ -118,19 +118,37 @@ def buckets(specs: list[ParameterSpec], bucket_bytes: int) -> list[list[int]]:
     return plan
 
 
+def flatten(tensors: list[torch.Tensor], plan: list[list[int]], dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """One new flat tensor per bucket of `plan`, its tensors' values one after another (cast to `dtype`
+    if given): each value is copied once, cast on the way."""
+    flat = []
+    for bucket in plan:
+        first = tensors[bucket[0]]
+        buffer = torch.empty(sum(tensors[i].numel() for i in bucket), dtype=dtype or first.dtype, device=first.device)
+        for i, piece in zip(bucket, buffer.split([tensors[i].numel() for i in bucket])):
+            piece.copy_(tensors[i].reshape(-1))
+        flat.append(buffer)
+    return flat
+
+
+def unflatten(flat: list[torch.Tensor], specs: list[ParameterSpec], plan: list[list[int]]) -> list[torch.Tensor]:
+    """The inverse of `flatten`: one tensor per spec, in spec order (views of the flat buffers)."""
+    tensors: list[torch.Tensor | None] = [None] * len(specs)
+    for bucket, buffer in zip(plan, flat):
+        for i, piece in zip(bucket, buffer.split([math.prod(specs[i].shape) for i in bucket])):
+            tensors[i] = piece.view(specs[i].shape)
+    return tensors
+
+
 def receive_tensors(group: WeightGroup, specs: list[ParameterSpec], device, bucket_bytes: int = 0) -> list[torch.Tensor]:
-    """Server side: one broadcast per bucket (`buckets`), each into a fresh flat buffer (the model is
-    not touched); returns one tensor per spec, views of those buffers."""
+    """Server side: one broadcast per bucket (`buckets`; a bucket of one tensor when bucket_bytes is 0),
+    each into a fresh flat buffer (the model is not touched); returns one tensor per spec."""
     plan = buckets(specs, bucket_bytes)
     flat = [torch.empty(sum(math.prod(specs[i].shape) for i in bucket), dtype=DTYPES[specs[bucket[0]].dtype], device=device)
             for bucket in plan]
     for work in [group.broadcast(buffer) for buffer in flat]:
         work.wait()
-    tensors: list[torch.Tensor] = []
-    for bucket, buffer in zip(plan, flat):
-        pieces = buffer.split([math.prod(specs[i].shape) for i in bucket])
-        tensors += [piece.view(specs[i].shape) for i, piece in zip(bucket, pieces)]
-    return tensors
+    return unflatten(flat, specs, plan)
 
 
 def load_tensors(model: torch.nn.Module, specs: list[ParameterSpec], tensors: list[torch.Tensor]) -> None:
@@ -174,10 +192,8 @@ class WeightSender:
         refused an update (trainer and servers disagree about the model)."""
         self._raise_if_refused()
         specs = parameter_specs(model, dtype)
-        parameters = [p for _, p in model.named_parameters()]
-        with torch.no_grad():  # one copy per bucket: a tensor alone is copied, a bucket's are concatenated
-            snapshot = [torch.cat([parameters[i].detach().reshape(-1).to(dtype or parameters[i].dtype) for i in bucket])
-                        for bucket in buckets(specs, bucket_bytes)]
+        with torch.no_grad():
+            snapshot = flatten([p.detach() for _, p in model.named_parameters()], buckets(specs, bucket_bytes), dtype)
         self._queue.put((specs, snapshot, version, bucket_bytes))
         return self._take_dropped()
 
@@ -211,7 +227,10 @@ class WeightSender:
         payload = {"version": version, "parameters": [s.to_json() for s in specs], "bucket_bytes": bucket_bytes}
         for url in list(self.groups):
             try:
-                request_json("POST", f"{url}/request_weight_update", payload, timeout_s=self.timeout_s)
+                reply = request_json("POST", f"{url}/request_weight_update", payload, timeout_s=self.timeout_s)
+                if reply.get("bucket_bytes", 0) != bucket_bytes:  # a server that ignores buckets would wait for other broadcasts
+                    raise ServerError(f"{url} does not take weight updates in buckets ({bucket_bytes} bytes): "
+                                      f"update the server or use --update-bucket-mb 0", status=400)
             except ServerError as error:
                 if error.status is not None:
                     self._refused = error

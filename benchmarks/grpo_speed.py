@@ -250,7 +250,8 @@ def run_trl(args: Args, repeat: int) -> dict:
 def markdown(args: Args, runs: dict[str, list[dict]], updates: list[dict], scaled: list[dict]) -> str:
     med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "step_s"} for name, rs in runs.items()}
     pipeline = med["pipeline"]
-    lines = [f"GRPO `{args.task}` preset, {args.steps} optimizer steps per run, median of {args.repeats} runs per schedule, "
+    flags = f", every launch with `{' '.join(args.extra)}`" if args.extra else ""
+    lines = [f"GRPO `{args.task}` preset{flags}, {args.steps} optimizer steps per run, median of {args.repeats} runs per schedule, "
              f"{os.cpu_count()} CPU cores.", "",
              "| schedule | samples/s | tokens/s | mean lag (steps) | success, last 20 steps | pipeline / this (samples/s) |",
              "|---|---|---|---|---|---|"]

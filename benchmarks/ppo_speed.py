@@ -11,7 +11,9 @@ Same model (the `tiny` preset's 2-layer GPT-2), same shapes (batch 64, 64 query 
   Adam step.
 - `trl`: TRL's PPOTrainer (`trl.experimental.ppo`, TRL 1.12.0, the last release that has it) with the
   same tiny GPT-2 as policy and reference and GPT-2 sequence classifiers of the same size as value and
-  reward models; seconds per update between its `on_step_end` callbacks. TRL lives in its own
+  reward models; seconds per update between its `on_step_end` callbacks. (`ours` and `raw` load GPT-2
+  through `models.load_causal_lm`, whose GELU is torch's fused kernel; TRL gets transformers'
+  `gelu_new`, the same function in seven ops, as any TRL user does.) TRL lives in its own
   environment (`--trl-python`), never in this project's dependencies; without it the TRL column is left out.
 Each process runs `--warmup` updates first (not timed) and `--updates` timed ones; the table shows the
 median seconds per update, episodes/s, peak memory (max RSS of the process) and the ratios.

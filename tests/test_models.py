@@ -247,3 +247,12 @@ def test_reward_model_save_load_round_trip(tmp_path, pad_id):
 def test_reward_model_load_missing(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a reward model folder"):
         RewardModel.load(str(tmp_path))
+
+
+def test_loaded_gpt2_activation_is_oai_gelu():
+    """GPT-2 loads with torch's fused tanh-GELU: OAI's gelu (language/model.py#L35-L37) computed by TF, within float32 rounding."""
+    x = np.random.default_rng(0).normal(0, 3, size=(4096,)).astype(np.float32)
+    oai = (0.5 * x * (1 + tf.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * tf.pow(x, 3))))).numpy()
+    activation = load_causal_lm("tiny").transformer.h[0].mlp.act
+    assert type(activation).__name__ == "GELUTanh"  # one kernel, not transformers' seven-op `gelu_new`
+    np.testing.assert_allclose(activation(torch.from_numpy(x)).numpy(), oai, rtol=0, atol=2e-6)

@@ -13,8 +13,11 @@ trainer's broadcast (announce, then one broadcast per tensor or per bucket, unti
 server's pause (decoding stopped for the swap), median over `--updates` updates each way.
 
 Throughput is samples trained / trainer wall time from its first wait for data to its last step.
-With `--trl-python` (an environment with trl==1.16.0) a row for TRL's GRPOTrainer (no vLLM) at the
-same settings joins the table: samples/s = batch size / median seconds per optimizer step.
+A row `raw compute (one process)` times what a step must compute, alone: sampling the step's
+completions (a prefill, then one cached forward per token for the whole batch), scoring them, one
+forward and backward with the run's loss, one optimizer step (`raw_step_times`). With `--trl-python`
+(an environment with trl==1.16.0) a row for TRL's GRPOTrainer (no vLLM) at the same settings joins
+the table. For both, samples/s = batch size / median seconds per optimizer step.
 """
 
 import dataclasses
@@ -69,10 +72,13 @@ class Args:
     """`--scaling`: completion lengths"""
     scaling_steps: int = 32
     """optimizer steps per scaling run (the first fifth, rounded up to whole sync rounds, are not timed)"""
+    raw_row: bool = True
+    """also time the raw compute of a step (`raw_step_times`: sampling, scoring, forward, backward and
+    optimizer step in one process, nothing else) as a row"""
     role: str = "main"
-    """internal: `trl` runs TRL's GRPOTrainer in this process and writes --result"""
+    """internal: `raw` or `trl` runs that row in this process and writes --result"""
     result: str = ""
-    """internal: where the `trl` role writes its seconds per step"""
+    """internal: where a role writes its seconds per step"""
 
 
 def schedules(args: Args) -> list[tuple[str, list[str]]]:
@@ -190,6 +196,72 @@ def run_settings(args: Args):
     return cli.parse(GRPOArgs, get_preset, args.task, argv=["--task", args.task, *args.extra])
 
 
+def raw_step_times(args: Args) -> list[float]:
+    """The compute of an optimizer step alone, one process, nothing overlapped or sent anywhere:
+    sample the step's completions (a prefill of its prompts, then one cached forward per token for
+    the whole batch), score them, one forward and backward of the policy over prompt + completion
+    with the run's loss (on policy: ratio 1), clip, one optimizer step. Seconds per step."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from lm_human_preference_details.assets import resolve_model_path
+    from lm_human_preference_details.grpo.config import load_task_problems
+    from lm_human_preference_details.grpo.rewards import integer_reward, math_reward
+    from lm_human_preference_details.grpo_loss import group_advantages, policy_loss
+    from lm_human_preference_details.models import load_causal_lm, logprobs_of
+    from lm_human_preference_details.optim import make_optimizer
+
+    settings = run_settings(args)
+    torch.manual_seed(settings.seed)
+    torch.set_num_threads(settings.threads)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(settings.model))
+    vocab, eos = len(tokenizer), tokenizer.eos_token_id
+    model = load_causal_lm(settings.model)
+    optimizer = make_optimizer(settings.optimizer, model.parameters(), lr=settings.lr, eps=settings.adam_eps)
+    problems = load_task_problems(settings)
+    groups, n = settings.groups_per_step(), settings.group_size
+    times = []
+    for step in range(args.steps + 1):  # the first step warms up, untimed
+        start = time.perf_counter()
+        batch = [problems[(step * groups + i) % len(problems)] for i in range(groups) for _ in range(n)]
+        prompts = [tokenizer(p.prompt, add_special_tokens=False)["input_ids"] for p in batch]
+        width = max(map(len, prompts))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+        prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        with torch.no_grad():
+            mask, positions = prompt_mask, (prompt_mask.cumsum(1) - 1).clamp(min=0)
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+            tokens = []
+            for t in range(settings.max_tokens):
+                probs = torch.softmax(out.logits[:, -1, :vocab].float() / settings.temperature, -1)
+                tokens.append(torch.multinomial(probs, 1))
+                if t + 1 == settings.max_tokens or not settings.ignore_eos and (torch.cat(tokens, 1) == eos).any(1).all():
+                    break
+                mask, positions = torch.cat([mask, torch.ones_like(tokens[-1])], 1), positions[:, -1:] + 1
+                out = model(input_ids=tokens[-1], attention_mask=mask, position_ids=positions, cache=out.cache, use_cache=True)
+        completions = torch.cat(tokens, 1)
+        after_eos = (completions == eos).long().cumsum(1) - (completions == eos).long()  # EOS itself is kept
+        valid = torch.ones_like(completions) if settings.ignore_eos else (after_eos == 0).long()
+        texts = tokenizer.batch_decode(completions * valid, skip_special_tokens=True)
+        rewards = []
+        for problem, text in zip(batch, texts):
+            reward = integer_reward(settings.answer_prefix + text, problem.answer)
+            rewards.append(math_reward(settings.answer_prefix + text, problem.answer) if reward is None else reward)
+        advantages = group_advantages(torch.tensor(rewards), n, settings.baseline, settings.divide_by_std)
+        full_mask = torch.cat([prompt_mask, valid], 1)
+        logits = model(input_ids=torch.cat([ids, completions], 1), attention_mask=full_mask,
+                       position_ids=(full_mask.cumsum(1) - 1).clamp(min=0)).logits[:, width - 1 : -1, :vocab]
+        logprobs = logprobs_of(logits, completions, settings.temperature)
+        loss, _ = policy_loss(logprobs, logprobs.detach(), advantages, valid, num_sequences=len(batch),
+                              loss_type=settings.loss_type, ratio_cap=settings.ratio_cap, clip_eps=settings.clip_eps)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - start)
+    return times[1:]
+
+
 def trl_step_times(args: Args) -> list[float]:
     """TRL's GRPOTrainer at the run's settings, seconds per optimizer step (all but the first)."""
     import tempfile
@@ -233,10 +305,15 @@ def trl_step_times(args: Args) -> list[float]:
     return [b - a for a, b in zip(ends, ends[1:])]
 
 
-def run_trl(args: Args, repeat: int) -> dict:
-    result = os.path.join(args.out_dir, "trl", f"run_{repeat}.json")
+ROLES = {"raw": raw_step_times, "trl": trl_step_times}
+ROLE_ROWS = {"raw": "raw compute (one process)", "trl": "trl GRPOTrainer"}
+
+
+def run_role(args: Args, role: str, python: str, repeat: int) -> dict:
+    """`role` in a process of its own (with `python`): its seconds per step and samples/s."""
+    result = os.path.join(args.out_dir, role, f"run_{repeat}.json")
     os.makedirs(os.path.dirname(result), exist_ok=True)
-    cmd = [args.trl_python, os.path.abspath(__file__), "--role", "trl", "--result", result, "--task", args.task,
+    cmd = [python, os.path.abspath(__file__), "--role", role, "--result", result, "--task", args.task,
            "--steps", str(args.steps), "--", *args.extra]
     print("$", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT, TRL_EXPERIMENTAL_SILENCE="1"),
@@ -282,19 +359,20 @@ def main(argv: list[str] | None = None) -> None:
     own_flags, launch_flags = split_passthrough(argv)
     args = tyro.cli(Args, args=own_flags)
     args.extra = launch_flags
-    if args.role == "trl":
+    if args.role != "main":
         with open(args.result, "w") as f:
-            json.dump(trl_step_times(args), f)
+            json.dump(ROLES[args.role](args), f)
         return
     os.makedirs(args.out_dir, exist_ok=True)
-    runs: dict[str, list[dict]] = {name: [] for name, _ in schedules(args)}
+    roles = {"raw": sys.executable} if args.raw_row else {}
     if args.trl_python:
-        runs["trl GRPOTrainer"] = []
+        roles["trl"] = args.trl_python
+    runs: dict[str, list[dict]] = {name: [] for name, _ in schedules(args)} | {ROLE_ROWS[role]: [] for role in roles}
     for repeat in range(args.repeats):
         for name, flags in schedules(args):
             runs[name].append(run_schedule(args, name, flags, repeat))
-        if args.trl_python:
-            runs["trl GRPOTrainer"].append(run_trl(args, repeat))
+        for role, python in roles.items():
+            runs[ROLE_ROWS[role]].append(run_role(args, role, python, repeat))
     updates = [time_weight_updates(model, args.updates, args.update_bucket_mb) for model in args.update_models]
     scaled = scaling(args) if args.scaling else []
     table = markdown(args, runs, updates, scaled)

@@ -242,7 +242,7 @@ def raw_step_times(args: Args) -> list[float]:
         completions = torch.cat(tokens, 1)
         after_eos = (completions == eos).long().cumsum(1) - (completions == eos).long()  # EOS itself is kept
         valid = torch.ones_like(completions) if settings.ignore_eos else (after_eos == 0).long()
-        texts = tokenizer.batch_decode(completions * valid, skip_special_tokens=True)
+        texts = [tokenizer.decode(row[:length], skip_special_tokens=True) for row, length in zip(completions.tolist(), valid.sum(1).tolist())]
         rewards = []
         for problem, text in zip(batch, texts):
             reward = integer_reward(settings.answer_prefix + text, problem.answer)

@@ -142,6 +142,8 @@ def launch(args: GRPOArgs) -> None:
     model = trainer.checkpoint_model(args.output_dir) if args.resume else args.model
     run = Run(args)
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops the children
+    # Ctrl-C too, even when started in the background by a shell, which leaves SIGINT ignored
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         if not args.servers:
             run.start_servers(model, version)
@@ -151,6 +153,7 @@ def launch(args: GRPOArgs) -> None:
     finally:
         run.stop()
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
 
 
 @cli.main_with_user_errors

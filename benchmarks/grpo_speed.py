@@ -198,8 +198,8 @@ def run_settings(args: Args):
 
 def raw_step_times(args: Args) -> list[float]:
     """The compute of an optimizer step alone, one process, nothing overlapped or sent anywhere:
-    sample the step's completions (a prefill of every row, each prompt repeated group_size times where the servers share one, then one cached forward per token for
-    the whole batch), score them, one forward and backward of the policy over prompt + completion
+    sample the step's completions (a prefill of every row, each prompt group_size times where the
+    servers prefill it once, then one cached forward per token for the whole batch), score them, one forward and backward of the policy over prompt + completion
     with the run's loss (on policy: ratio 1), clip, one optimizer step. Seconds per step."""
     import torch
     from transformers import AutoTokenizer

@@ -99,10 +99,14 @@ class Launched:
         return alive(self.seen)
 
 
-def success_rise(rows: list[dict], window: int = 20) -> tuple[float, float]:
-    first = sum(r["success/rate"] for r in rows[:window]) / window
-    last = sum(r["success/rate"] for r in rows[-window:]) / window
-    return first, last
+def success_rise(rows: list[dict]) -> tuple[float, float]:
+    """Success of the first 4 steps (the initial weights' samples) and of the last 20.
+
+    The policy learns fast: over steps 1-20 success already rises from about 0.35 to 0.5, so a
+    first-20 window hides most of the rise (one CI run: 0.49 -> 0.56). Over 12 local runs the
+    first-4 -> last-20 rise was 0.17-0.31 in both modes.
+    """
+    return sum(r["success/rate"] for r in rows[:4]) / 4, sum(r["success/rate"] for r in rows[-20:]) / 20
 
 
 @pytest.mark.slow
@@ -116,7 +120,7 @@ def test_both_schedules_learn_and_leave_no_process_behind(tmp_path, mode):
                 "entropy", "ess", "time/wait_data_s", "ratio/mean"):
         assert key in rows[0], key
     first, last = success_rise(rows)
-    assert last > first + 0.08, (first, last)
+    assert last > first + 0.1, (first, last)
     servers = json.load(open(os.path.join(run.output_dir, "servers.json")))
     (server,) = servers.values()
     if mode == "sync":  # generate 4 steps' worth with frozen weights, then train 4 steps

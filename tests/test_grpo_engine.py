@@ -167,3 +167,6 @@ def test_grpo_args_check_names_the_field():
         GRPOArgs(steps_ahead=0).check()
     with pytest.raises(UserError, match="--problems-per-request 3 must divide the 8 problems of an optimizer step"):
         GRPOArgs(batch_size=64, group_size=8, problems_per_request=3).check()
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match="--weight-backend nccl sends GPU tensors and no GPU is visible; use --weight-backend gloo"):
+            GRPOArgs(weight_backend="nccl").check()

@@ -109,6 +109,10 @@ class GRPOArgs(RunArgs):
     """weight updates go out as flat buckets of consecutive tensors, at most this many MiB each
     (0: one broadcast per tensor, PipelineRL's way; on gloo each broadcast costs about 0.3 ms of CPU
     per side however small, which a tiny model's update is mostly made of)"""
+    weight_backend: Literal["gloo", "nccl"] = "gloo"
+    """how weight updates travel: `gloo` (CPU tensors, or GPU tensors through host memory; works
+    wherever the servers run, also on the trainer's own GPU) or `nccl` (GPU to GPU; only for servers
+    on other GPUs than the trainer's, e.g. `--servers` started on them: NCCL refuses two ranks on one GPU)"""
     stream: str = ""
     """where samples go: empty = `<output_dir>/stream.jsonl`, or `redis://HOST:PORT/DB?stream=NAME`"""
     trainer_host: str = "127.0.0.1"
@@ -149,6 +153,11 @@ class GRPOArgs(RunArgs):
                             f"problems of an optimizer step (batch_size / group_size)")
         if self.token_budget < 1:
             raise UserError(f"--token-budget must be >= 1, got {self.token_budget}")
+        if self.weight_backend == "nccl":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise UserError("--weight-backend nccl sends GPU tensors and no GPU is visible; use --weight-backend gloo")
 
 
 PRESETS: dict[str, GRPOArgs] = {

@@ -107,7 +107,7 @@ def train(args: GRPOArgs, server_urls: list[str]) -> None:
     version, stream_position = state["version"], state["stream_position"]
     tracker = Tracker(args.output_dir, args, enabled=True, wandb_mode=args.wandb_mode, project=args.wandb_project,
                       run_name=args.run_name_for(f"grpo_{args.mode}"), resume_after_step=version if args.resume else None)
-    sender = WeightSender(server_urls, backend="nccl" if device.type == "cuda" else "gloo", host=args.trainer_host)
+    sender = WeightSender(server_urls, backend=args.weight_backend, host=args.trainer_host)
     # weights go out in the servers' dtype (bf16 on GPUs): they check it before receiving
     server_dtype = DTYPES[request_json("GET", f"{server_urls[0]}/health")["dtype"]]
     reader = open_reader(args.stream_url(), start=stream_position)

@@ -1,7 +1,8 @@
 """Weights from the trainer to the inference servers (PipelineRL's in-flight update).
 
 Each server gets a process group of its own with the trainer (rank 0 = trainer, rank 1 = server),
-gloo on the CPU and NCCL on GPUs. One group per server, not one for all: a server that dies takes
+gloo by default (CPU tensors, or GPU tensors through host memory) or NCCL between two GPUs (NCCL
+refuses two ranks on one GPU, so a server that shares the trainer's GPU takes gloo). One group per server, not one for all: a server that dies takes
 only its own group down, and the trainer carries on with the others. The groups are built from a
 TCPStore, outside `torch.distributed`'s default group, so a trainer launched by accelerate keeps its
 own. An update is announced over HTTP with every tensor's name, shape and dtype; the server checks
@@ -84,7 +85,7 @@ class WeightGroup:
         if url.scheme != "tcp" or not url.hostname or not url.port:
             raise ValueError(f"init_method {init_method!r}: expected tcp://HOST:PORT")
         if backend not in ("gloo", "nccl"):
-            raise ValueError(f"backend {backend!r}: expected gloo (CPU) or nccl (GPU)")
+            raise ValueError(f"backend {backend!r}: expected gloo or nccl")
         timeout = datetime.timedelta(seconds=timeout_s)
         self.store = dist.TCPStore(url.hostname, url.port, world_size, rank == 0, timeout=timeout, wait_for_workers=False)
         prefixed = dist.PrefixStore("weights", self.store)

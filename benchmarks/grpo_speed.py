@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import tyro
 
+from lm_human_preference_details.benchmarking import Device, device_env, machine, synchronize
 from lm_human_preference_details.cli import split_passthrough
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -72,6 +73,9 @@ class Args:
     """`--scaling`: completion lengths"""
     scaling_steps: int = 32
     """optimizer steps per scaling run (the first fifth, rounded up to whole sync rounds, are not timed)"""
+    device: Device = "cpu"
+    """where every process runs: `cuda` puts the servers (bf16), the trainer, the raw row and TRL on the
+    GPU; `cpu`, the default, hides any GPU from them"""
     raw_row: bool = True
     """also time the raw compute of a step (`raw_step_times`: sampling, scoring, forward, backward and
     optimizer step in one process, nothing else) as a row"""
@@ -93,7 +97,7 @@ def run_schedule(args: Args, name: str, flags: list[str], repeat: int) -> dict:
     cmd = [sys.executable, "-m", "lm_human_preference_details.grpo.launch", "--task", args.task, "--steps", str(args.steps),
            "--output-dir", out, "--wandb-mode", "disabled", "--save-interval", "0", *args.extra, *flags]  # the row's flags win
     print("$", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(cmd, check=True, env=device_env(args.device), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     elapsed = rows[-1]["time/elapsed_s"]
@@ -122,23 +126,24 @@ def scaling(args: Args) -> list[dict]:
     return rows
 
 
-def time_weight_updates(model: str, updates: int, bucket_mb: float) -> dict:
+def time_weight_updates(model: str, updates: int, bucket_mb: float, device: Device) -> dict:
     """A real server generating at full batch; the trainer side pushes `updates` new versions one
     broadcast per tensor, then `updates` more in buckets of `bucket_mb` MiB."""
     import torch
 
     from lm_human_preference_details.grpo.server import request_json, wait_until_serving
-    from lm_human_preference_details.grpo.weights import WeightSender, buckets, free_port, parameter_specs
+    from lm_human_preference_details.grpo.weights import DTYPES, WeightSender, buckets, free_port, parameter_specs
     from lm_human_preference_details.models import load_causal_lm
 
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "lm_human_preference_details.grpo.server", "--model", model,
                                "--port", str(port), "--threads", "1", "--max-batch-size", "16"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                              env=device_env(device), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_serving(url, server)
-        trainer_model = load_causal_lm(model)
+        trainer_model = load_causal_lm(model).to(device)
+        server_dtype = DTYPES[request_json("GET", f"{url}/health")["dtype"]]  # bf16 on a GPU: sent as the trainer sends it
         sender = WeightSender([url])
         busy = threading.Event()
         load = threading.Thread(target=_keep_generating, args=(url, busy), daemon=True)
@@ -152,7 +157,7 @@ def time_weight_updates(model: str, updates: int, bucket_mb: float) -> dict:
                 next(trainer_model.parameters()).add_(1e-3)
             paused_before = request_json("GET", f"{url}/metrics")["pause_s_total"]
             start = time.perf_counter()
-            sender.push(trainer_model, version, bucket_bytes=ways[name])
+            sender.push(trainer_model, version, dtype=server_dtype, bucket_bytes=ways[name])
             sender.wait()
             broadcast[name].append(time.perf_counter() - start)
             while (metrics := request_json("GET", f"{url}/metrics"))["weight_updates"] != version:
@@ -214,9 +219,10 @@ def raw_step_times(args: Args) -> list[float]:
     settings = run_settings(args)
     torch.manual_seed(settings.seed)
     torch.set_num_threads(settings.threads)
+    device = torch.device(args.device)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(settings.model))
     vocab, eos = len(tokenizer), tokenizer.eos_token_id
-    model = load_causal_lm(settings.model)
+    model = load_causal_lm(settings.model).to(device)
     optimizer = make_optimizer(settings.optimizer, model.parameters(), lr=settings.lr, eps=settings.adam_eps)
     problems = load_task_problems(settings)
     groups, n = settings.groups_per_step(), settings.group_size
@@ -226,8 +232,8 @@ def raw_step_times(args: Args) -> list[float]:
         batch = [problems[(step * groups + i) % len(problems)] for i in range(groups) for _ in range(n)]
         prompts = [tokenizer(p.prompt, add_special_tokens=False)["input_ids"] for p in batch]
         width = max(map(len, prompts))
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-        prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
+        prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
         with torch.no_grad():
             mask, positions = prompt_mask, (prompt_mask.cumsum(1) - 1).clamp(min=0)
             out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
@@ -247,7 +253,7 @@ def raw_step_times(args: Args) -> list[float]:
         for problem, text in zip(batch, texts):
             reward = integer_reward(settings.answer_prefix + text, problem.answer)
             rewards.append(math_reward(settings.answer_prefix + text, problem.answer) if reward is None else reward)
-        advantages = group_advantages(torch.tensor(rewards), n, settings.baseline, settings.divide_by_std)
+        advantages = group_advantages(torch.tensor(rewards, device=device), n, settings.baseline, settings.divide_by_std)
         full_mask = torch.cat([prompt_mask, valid], 1)
         logits = model(input_ids=torch.cat([ids, completions], 1), attention_mask=full_mask,
                        position_ids=(full_mask.cumsum(1) - 1).clamp(min=0)).logits[:, width - 1 : -1, :vocab]
@@ -258,6 +264,7 @@ def raw_step_times(args: Args) -> list[float]:
         torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        synchronize(device)
         times.append(time.perf_counter() - start)
     return times[1:]
 
@@ -296,7 +303,7 @@ def trl_step_times(args: Args) -> list[float]:
             max_steps=args.steps, learning_rate=settings.lr, temperature=settings.temperature, beta=0.0,
             # --ignore-eos: every completion max_tokens long, as the servers sample them
             generation_kwargs={"min_new_tokens": settings.max_tokens} if settings.ignore_eos else None,
-            report_to="none", save_strategy="no", logging_steps=1, use_cpu=True, seed=0, disable_tqdm=True,
+            report_to="none", save_strategy="no", logging_steps=1, use_cpu=args.device == "cpu", seed=0, disable_tqdm=True,
         )
         dataset = Dataset.from_dict({"prompt": [p.prompt for p in problems], "answer": [p.answer for p in problems]})
         trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(path), reward_funcs=reward, args=config,
@@ -314,9 +321,9 @@ def run_role(args: Args, role: str, python: str, repeat: int) -> dict:
     result = os.path.join(args.out_dir, role, f"run_{repeat}.json")
     os.makedirs(os.path.dirname(result), exist_ok=True)
     cmd = [python, os.path.abspath(__file__), "--role", role, "--result", result, "--task", args.task,
-           "--steps", str(args.steps), "--", *args.extra]
+           "--steps", str(args.steps), "--device", args.device, "--", *args.extra]
     print("$", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT, TRL_EXPERIMENTAL_SILENCE="1"),
+    subprocess.run(cmd, check=True, cwd=ROOT, env=device_env(args.device, PYTHONPATH=ROOT, TRL_EXPERIMENTAL_SILENCE="1"),
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     with open(result) as f:
         step_s = json.load(f)
@@ -329,7 +336,7 @@ def markdown(args: Args, runs: dict[str, list[dict]], updates: list[dict], scale
     pipeline = med["pipeline"]
     flags = f", every launch with `{' '.join(args.extra)}`" if args.extra else ""
     lines = [f"GRPO `{args.task}` preset{flags}, {args.steps} optimizer steps per run, median of {args.repeats} runs per schedule, "
-             f"{os.cpu_count()} CPU cores.", "",
+             f"{machine(args.device)}.", "",
              "| schedule | samples/s | tokens/s | mean lag (steps) | success, last 20 steps | pipeline / this (samples/s) |",
              "|---|---|---|---|---|---|"]
     for name, m in med.items():
@@ -373,7 +380,7 @@ def main(argv: list[str] | None = None) -> None:
             runs[name].append(run_schedule(args, name, flags, repeat))
         for role, python in roles.items():
             runs[ROLE_ROWS[role]].append(run_role(args, role, python, repeat))
-    updates = [time_weight_updates(model, args.updates, args.update_bucket_mb) for model in args.update_models]
+    updates = [time_weight_updates(model, args.updates, args.update_bucket_mb, args.device) for model in args.update_models]
     scaled = scaling(args) if args.scaling else []
     table = markdown(args, runs, updates, scaled)
     with open(os.path.join(args.out_dir, "results.json"), "w") as f:

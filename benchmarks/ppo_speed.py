@@ -16,8 +16,10 @@ Same model (the `tiny` preset's 2-layer GPT-2), same shapes (batch 64, 64 query 
   `gelu_new`, the same function in seven ops, as any TRL user does.) TRL lives in its own
   environment (`--trl-python`), never in this project's dependencies; without it the TRL column is left out.
 Each process runs `--warmup` updates first (not timed) and `--updates` timed ones; the table shows the
-median seconds per update, episodes/s, peak memory (max RSS of the process) and the ratios.
+median seconds per update, episodes/s, peak host memory (max RSS of the process; with `--device cuda`
+GPU memory is not in it) and the ratios.
 The scaling table (`--scaling`) repeats `ours` and `raw` over batch sizes and response lengths.
+`--device cuda` runs all three on the GPU (benchmarks/gpu.sh); `cpu`, the default, hides any GPU.
 """
 
 import json
@@ -30,6 +32,8 @@ import time
 from dataclasses import dataclass, field
 
 import tyro
+
+from lm_human_preference_details.benchmarking import Device, device_env, machine, synchronize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -53,9 +57,15 @@ class Args:
     trl_python: str | None = None
     """python of an environment with trl==1.12.0 (see the module docstring); None: no TRL column"""
     scaling: bool = False
-    """also time `ours` and `raw` at batch 16/64/256 x response 24/96"""
+    """also time `ours` and `raw` at each batch size and response length below"""
+    scaling_batches: list[int] = field(default_factory=lambda: [16, 64, 256])
+    """`--scaling`: batch sizes"""
+    scaling_lengths: list[int] = field(default_factory=lambda: [24, 96])
+    """`--scaling`: response lengths"""
     out_dir: str = "runs/ppo_speed"
     """results.json, results.md and the runs go here"""
+    device: Device = "cpu"
+    """where every implementation runs (`cpu` hides any GPU from them)"""
     role: str = "main"
     """internal: `raw` or `trl` runs one implementation in this process and writes --result"""
     result: str = ""
@@ -71,13 +81,14 @@ def raw_update_times(args: Args) -> list[float]:
     from lm_human_preference_details.text import load_tokenizer
 
     torch.manual_seed(0)
+    device = torch.device(args.device)
     tokenizer = load_tokenizer("tiny")
     vocab, pad_id = len(tokenizer), tokenizer.oai_pad_token_id
-    policy = PolicyAndValue(load_causal_lm("tiny"), vocab)
-    reference = PolicyAndValue(load_causal_lm("tiny"), vocab).requires_grad_(False)
-    reward = RewardModel.from_pretrained_lm("tiny").requires_grad_(False)
+    policy = PolicyAndValue(load_causal_lm("tiny"), vocab).to(device)
+    reference = PolicyAndValue(load_causal_lm("tiny"), vocab).requires_grad_(False).to(device)
+    reward = RewardModel.from_pretrained_lm("tiny").requires_grad_(False).to(device)
     optimizer = torch.optim.Adam(policy.parameters(), lr=1e-5)
-    queries = torch.randint(0, vocab - 1, (args.batch_size, args.query_length))
+    queries = torch.randint(0, vocab - 1, (args.batch_size, args.query_length), device=device)
     q = args.query_length
     times = []
     for _ in range(args.warmup + args.updates):
@@ -97,6 +108,7 @@ def raw_update_times(args: Args) -> list[float]:
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
+        synchronize(device)
         times.append(time.perf_counter() - start)
     return times[args.warmup :]
 
@@ -131,7 +143,7 @@ def trl_update_times(args: Args) -> list[float]:
             num_ppo_epochs=args.epochs, num_mini_batches=1, response_length=args.response_length, stop_token=None,
             total_episodes=args.batch_size * (args.warmup + args.updates), local_rollout_forward_batch_size=args.batch_size,
             learning_rate=1e-5, temperature=1.0, num_sample_generations=0, report_to="none", save_strategy="no",
-            logging_steps=1, use_cpu=True, seed=0, disable_tqdm=True,
+            logging_steps=1, use_cpu=args.device == "cpu", seed=0, disable_tqdm=True,
         )
         trainer = PPOTrainer(
             args=config, processing_class=tokenizer, model=AutoModelForCausalLM.from_pretrained(path),
@@ -146,7 +158,7 @@ def trl_update_times(args: Args) -> list[float]:
 
 
 # -------------------------------------------------------------------------------------- the table
-def run_process(cmd: list[str], env: dict | None = None) -> int:
+def run_process(cmd: list[str], env: dict) -> int:
     """Run `cmd` to the end; its peak RSS in MiB (from the kernel's accounting of that child)."""
     print("$", " ".join(cmd), flush=True)
     process = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -166,15 +178,15 @@ def measure(args: Args, name: str, shape: Args, run_dir: str, reward_model: str)
                             "--wandb-mode", "disabled", "--rewards.trained-model", reward_model, "--save-interval", "0",
                             "--task.query-length", str(shape.query_length), "--task.response-length", str(shape.response_length),
                             "--ppo.batch-size", str(shape.batch_size), "--ppo.noptepochs", str(shape.epochs), "--ppo.nminibatches", "1",
-                            "--ppo.total-episodes", str(episodes)])
+                            "--ppo.total-episodes", str(episodes)], env=device_env(args.device))
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
             times = [json.loads(line)["time/update_s"] for line in f][shape.warmup :]
     else:
         python = sys.executable if name == "raw" else args.trl_python
         flags = ["--role", name, "--result", result, "--batch-size", str(shape.batch_size), "--query-length", str(shape.query_length),
                  "--response-length", str(shape.response_length), "--epochs", str(shape.epochs), "--warmup", str(shape.warmup),
-                 "--updates", str(shape.updates)]
-        peak = run_process([python, os.path.abspath(__file__), *flags], env=dict(os.environ, PYTHONPATH=ROOT))
+                 "--updates", str(shape.updates), "--device", args.device]
+        peak = run_process([python, os.path.abspath(__file__), *flags], env=device_env(args.device, PYTHONPATH=ROOT))
         with open(result) as f:
             times = json.load(f)
     return {"s_per_update": statistics.median(times), "peak_mib": peak, "times": times}
@@ -195,8 +207,8 @@ def compare(args: Args, shape: Args, names: list[str], reward_model: str, label:
 def markdown(args: Args, main: dict, scaling: list[dict]) -> str:
     lines = [f"One PPO update on the `tiny` model: batch {args.batch_size}, {args.query_length} query + {args.response_length} response "
              f"tokens, {args.epochs} epochs, 1 minibatch; median of {args.repeats} processes x {args.updates} updates, "
-             f"{os.cpu_count()} CPU cores.", "",
-             "| implementation | s / update | episodes/s | peak memory (MiB) | time / raw compute | ours' episodes/s / this |",
+             f"{machine(args.device)}.", "",
+             "| implementation | s / update | episodes/s | peak host memory (MiB) | time / raw compute | ours' episodes/s / this |",
              "|---|---|---|---|---|---|"]
     for name, m in main.items():
         lines.append(f"| {name} | {m['s_per_update']:.3f} | {m['episodes_per_s']:.0f} | {m['peak_mib']} | "
@@ -221,13 +233,13 @@ def main(argv: list[str] | None = None) -> None:
     reward_model = os.path.join(reward_dir, "reward_model")
     if not os.path.isdir(reward_model):
         run_process([sys.executable, "-m", "lm_human_preference_details.train_reward", "--task", "tiny", "--output-dir", reward_dir,
-                     "--wandb-mode", "disabled", "--labels.num-train", "256", "--labels.num-test", "0"])
+                     "--wandb-mode", "disabled", "--labels.num-train", "256", "--labels.num-test", "0"], env=device_env(args.device))
     names = ["ours", "raw"] + (["trl"] if args.trl_python else [])
     main_table = compare(args, args, names, reward_model, "main")
     scaling = []
     if args.scaling:
-        for batch_size in (16, 64, 256):
-            for response_length in (24, 96):
+        for batch_size in args.scaling_batches:
+            for response_length in args.scaling_lengths:
                 shape = Args(**{**vars(args), "batch_size": batch_size, "response_length": response_length})
                 both = compare(args, shape, ["ours", "raw"], reward_model, f"scaling_b{batch_size}_r{response_length}")
                 scaling.append({"batch_size": batch_size, "response_length": response_length,

@@ -323,7 +323,7 @@ def run_role(args: Args, role: str, python: str, repeat: int) -> dict:
     cmd = [python, os.path.abspath(__file__), "--role", role, "--result", result, "--task", args.task,
            "--steps", str(args.steps), "--device", args.device, "--", *args.extra]
     print("$", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, cwd=ROOT, env=device_env(args.device, PYTHONPATH=ROOT, TRL_EXPERIMENTAL_SILENCE="1"),
+    subprocess.run(cmd, check=True, cwd=ROOT, env=device_env(args.device, python_path=ROOT, TRL_EXPERIMENTAL_SILENCE="1"),
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     with open(result) as f:
         step_s = json.load(f)

@@ -186,7 +186,7 @@ def measure(args: Args, name: str, shape: Args, run_dir: str, reward_model: str)
         flags = ["--role", name, "--result", result, "--batch-size", str(shape.batch_size), "--query-length", str(shape.query_length),
                  "--response-length", str(shape.response_length), "--epochs", str(shape.epochs), "--warmup", str(shape.warmup),
                  "--updates", str(shape.updates), "--device", args.device]
-        peak = run_process([python, os.path.abspath(__file__), *flags], env=device_env(args.device, PYTHONPATH=ROOT))
+        peak = run_process([python, os.path.abspath(__file__), *flags], env=device_env(args.device, python_path=ROOT))
         with open(result) as f:
             times = json.load(f)
     return {"s_per_update": statistics.median(times), "peak_mib": peak, "times": times}

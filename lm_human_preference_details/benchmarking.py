@@ -6,10 +6,14 @@ from typing import Literal
 Device = Literal["cpu", "cuda"]
 
 
-def device_env(device: Device, **extra: str) -> dict[str, str]:
+def device_env(device: Device, python_path: str | None = None, **extra: str) -> dict[str, str]:
     """The environment of a benchmarked process: `cpu` hides every GPU from it, so that nothing in
-    it (accelerate, the GRPO trainer and servers, TRL) picks one up by itself."""
-    return dict(os.environ, **extra, **({"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {}))
+    it (accelerate, the GRPO trainer and servers, TRL) picks one up by itself. `python_path` goes
+    before the PYTHONPATH it inherits (where benchmarks/gpu.sh put the packages it installed)."""
+    env = dict(os.environ, **extra, **({"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {}))
+    if python_path:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [python_path, os.environ.get("PYTHONPATH")]))
+    return env
 
 
 def machine(device: Device) -> str:

@@ -5,7 +5,7 @@
 # Here, once:  bash benchmarks/gpu_wheels.sh       # what the GPU image lacks, as wheels in .whl/
 # Then, with the device tool:  run(command="bash benchmarks/gpu.sh", carry=[".whl"], timeout_s=540)
 #
-# The GPU image has torch, transformers, accelerate and aiohttp; the rest comes from .whl/ into
+# The GPU image has torch, accelerate and aiohttp (and a transformers older than 5.24); the rest comes from .whl/ into
 # /tmp (nothing is downloaded there, and the tiny models are made on the spot). TRL columns come from
 # .whl/trl112 and .whl/trl116, each installed in a directory of its own, or from $LMHPD_TRL_PYTHON and
 # $LMHPD_TRL116_PYTHON where those are set (as .ci/run sets them); without either the rows are left out.

@@ -2,7 +2,7 @@
 # Fetch, on a machine with PyPI, the wheels that benchmarks/gpu.sh installs on the lent GPU machine,
 # whose image has torch, transformers, accelerate, aiohttp, pandas and pyarrow but not the rest of this
 # project's needs, and which reaches no package registry. They go to .whl/ (ignored by git, carried
-# with the device tool's `carry: [".whl"]`, about 4 MiB): this project's missing dependencies in .whl/,
+# with the device tool's `carry: [".whl"]`, about 17 MiB): this project's missing dependencies in .whl/,
 # TRL 1.12.0 (PPO) in .whl/trl112/ and TRL 1.16.0 (GRPO) in .whl/trl116/.
 #
 #   bash benchmarks/gpu_wheels.sh            # for the GPU image's Python 3.12
@@ -18,8 +18,9 @@ download() {  # DIR PACKAGE==VERSION...: pure-Python wheels (multiprocess ships 
 }
 rm -rf "$wheels"
 # the command lines (tyro), TRL's data sets (datasets), the GRPO math reward (math-verify), the tiny
-# task's queries (chatterbot-corpus); versions as this project's CI installs them
-download "$wheels" tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 \
+# task's queries (chatterbot-corpus), and transformers itself (the image's 5.17 predates the `cache`
+# argument of 5.24); versions as this project's CI installs them
+download "$wheels" transformers==5.24.0 tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 \
     math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2 chatterbot-corpus==1.3.3
 download "$wheels/trl112" trl==1.12.0
 download "$wheels/trl116" trl==1.16.0

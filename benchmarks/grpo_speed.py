@@ -18,6 +18,7 @@ completions (a prefill, then one cached forward per token for the whole batch), 
 forward and backward with the run's loss, one optimizer step (`raw_step_times`). With `--trl-python`
 (an environment with trl==1.16.0) a row for TRL's GRPOTrainer (no vLLM) at the same settings joins
 the table. For both, samples/s = batch size / median seconds per optimizer step.
+`--device cuda` runs every process on the GPU (benchmarks/gpu.sh); `cpu`, the default, hides any GPU.
 """
 
 import dataclasses
@@ -143,7 +144,7 @@ def time_weight_updates(model: str, updates: int, bucket_mb: float, device: Devi
     try:
         wait_until_serving(url, server)
         trainer_model = load_causal_lm(model).to(device)
-        server_dtype = DTYPES[request_json("GET", f"{url}/health")["dtype"]]  # bf16 on a GPU: sent as the trainer sends it
+        server_dtype = DTYPES[request_json("GET", f"{url}/health")["dtype"]]  # bf16 on a GPU; the trainer sends it so too
         sender = WeightSender([url])
         busy = threading.Event()
         load = threading.Thread(target=_keep_generating, args=(url, busy), daemon=True)

@@ -31,15 +31,10 @@ from lm_human_preference_details.grpo.weights import free_port
 log = logging.getLogger(__name__)
 
 SERVER_START_TIMEOUT_S = 600
-# servers and actor yield the CPU to the trainer when they share cores: in pipeline mode the trainer
-# is the critical path and generation has slack (in sync mode they never run at once)
-GENERATION_NICENESS = 15
 
 
 def _role(name: str, args: GRPOArgs, server_urls: list[str], first_group: int, launcher: int) -> None:
     exit_with_parent(launcher)
-    if name == "actor":
-        os.nice(GENERATION_NICENESS)
     cli.quiet_transformers()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the launcher decides
@@ -68,7 +63,7 @@ class Run:
                     sys.executable, "-m", "lm_human_preference_details.grpo.server", "--model", model,
                     "--port", str(port), "--threads", str(self.args.threads), "--seed", str(self.args.seed + i),
                     "--max-batch-size", str(self.args.server_batch_size), "--version", str(version), "--exit-with-parent",
-                ], stdout=log_file, stderr=subprocess.STDOUT, preexec_fn=lambda: os.nice(GENERATION_NICENESS)))
+                ], stdout=log_file, stderr=subprocess.STDOUT))
             self.server_urls.append(f"http://127.0.0.1:{port}")
         for i, (process, url) in enumerate(zip(self.servers, self.server_urls)):
             try:

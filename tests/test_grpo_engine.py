@@ -169,4 +169,4 @@ def test_grpo_args_check_names_the_field():
         GRPOArgs(batch_size=64, group_size=8, problems_per_request=3).check()
     if not torch.cuda.is_available():
         with pytest.raises(UserError, match="--weight-backend nccl sends GPU tensors and no GPU is visible; use --weight-backend gloo"):
-            GRPOArgs(weight_backend="nccl").check()
+            GRPOArgs(weight_backend="nccl").check_weight_backend()

@@ -224,6 +224,7 @@ def test_chat_prompts_go_one_request_per_problem_through_the_chat_template(tmp_p
     (["--batch-size", "60"], "error: --batch-size 60 must be a multiple of --group-size 8"),
     (["--task", "nope"], "error: --task 'nope' is unknown; choose one of tiny, arith"),
     (["--resume"], "error: --resume: no checkpoint in"),
+    (["--weight-backend", "nccl"], "error: --weight-backend nccl: the servers this launcher starts share the trainer's GPU"),
 ])
 def test_bad_arguments_are_one_line_errors(tmp_path, flags, message):
     result = subprocess.run(LAUNCH + ["--output-dir", str(tmp_path / "run"), *flags], capture_output=True, text=True, timeout=120)

@@ -203,6 +203,23 @@ def test_a_mismatched_update_is_refused_and_the_old_weights_keep_serving(server,
     assert set(reply["choices"][0]["model_versions"]) == {before["model_version"]}
 
 
+def test_a_failure_in_the_sender_thread_is_raised_by_wait_and_push_not_a_hang(monkeypatch):
+    sender = WeightSender([])  # no server: _send is where a broadcast would fail
+
+    def broken_send(*_):
+        raise ValueError("the broadcast broke")
+
+    monkeypatch.setattr(sender, "_send", broken_send)
+    model = torch.nn.Linear(2, 2)
+    sender.push(model, version=1)
+    with pytest.raises(ValueError, match="the broadcast broke"):
+        sender.wait()
+    sender.push(model, version=2)
+    sender._queue.join()
+    with pytest.raises(ValueError, match="the broadcast broke"):
+        sender.push(model, version=3)
+
+
 def test_server_binds_loopback_by_default():
     from lm_human_preference_details.grpo.server import Args
 

@@ -153,6 +153,9 @@ class GRPOArgs(RunArgs):
                             f"problems of an optimizer step (batch_size / group_size)")
         if self.token_budget < 1:
             raise UserError(f"--token-budget must be >= 1, got {self.token_budget}")
+
+    def check_weight_backend(self) -> None:
+        """What the trainer's side needs (the launcher and the trainer check it; an actor sends no weights)."""
         if self.weight_backend == "nccl":
             import torch
 

@@ -126,6 +126,10 @@ class Run:
 def launch(args: GRPOArgs) -> None:
     """Start everything, run to the last step, stop everything (also on failure or a signal)."""
     args.check()
+    if args.weight_backend == "nccl" and not args.servers:
+        raise cli.UserError("--weight-backend nccl: the servers this launcher starts share the trainer's GPU, where NCCL "
+                            "refuses two ranks; use --weight-backend gloo, or start servers on other GPUs and pass --servers")
+    args.check_weight_backend()
     os.makedirs(args.output_dir, exist_ok=True)
     state = trainer.checkpoint_state(args.output_dir) if args.resume else {"version": 0, "stream_position": 0}
     version = state["version"]

@@ -248,6 +248,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(message)s")
     args = cli.parse(GRPOArgs, get_preset, "tiny")
     args.check()
+    args.check_weight_backend()
     if not args.servers:
         raise cli.UserError("--servers: the trainer alone needs the URLs of running servers (or use grpo.launch)")
     train_then_exit(args, args.servers)

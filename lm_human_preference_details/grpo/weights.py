@@ -181,7 +181,7 @@ class WeightSender:
         self._queue: queue.Queue = queue.Queue(maxsize=1)  # snapshots waiting for the sender thread
         self._lock = threading.Lock()
         self._dropped: list[str] = []
-        self._refused: ServerError | None = None
+        self._failed: Exception | None = None  # a refusal, or the sender thread's own failure: raised by push/wait
         self.last_broadcast_s = 0.0  # announce to received, of the last push that completed
         threading.Thread(target=self._send_forever, name="weight-sender", daemon=True).start()
 
@@ -190,8 +190,8 @@ class WeightSender:
         then one broadcast per tensor, or per bucket of at most `bucket_bytes`), so the next optimizer
         step overlaps the transfer. Blocks only while an earlier snapshot still waits its turn (one is
         sent, one may wait). Returns the servers dropped so far (unreachable); raises if a server
-        refused an update (trainer and servers disagree about the model)."""
-        self._raise_if_refused()
+        refused an update (trainer and servers disagree about the model) or the sender thread failed."""
+        self._raise_if_failed()
         specs = parameter_specs(model, dtype)
         with torch.no_grad():
             snapshot = flatten([p.detach() for _, p in model.named_parameters()], buckets(specs, bucket_bytes), dtype)
@@ -201,13 +201,13 @@ class WeightSender:
     def wait(self) -> list[str]:
         """Wait until every push has reached every server; returns the servers dropped meanwhile."""
         self._queue.join()
-        self._raise_if_refused()
+        self._raise_if_failed()
         return self._take_dropped()
 
-    def _raise_if_refused(self) -> None:
-        if self._refused is not None:
-            refused, self._refused = self._refused, None
-            raise refused
+    def _raise_if_failed(self) -> None:
+        if self._failed is not None:
+            failed, self._failed = self._failed, None
+            raise failed
 
     def _take_dropped(self) -> list[str]:
         with self._lock:
@@ -218,8 +218,10 @@ class WeightSender:
         while True:
             specs, snapshot, version, bucket_bytes = self._queue.get()
             try:
-                if self._refused is None:  # after a refusal nothing more is sent
+                if self._failed is None:  # after a refusal nothing more is sent
                     self._send(specs, snapshot, version, bucket_bytes)
+            except Exception as error:  # the thread lives on, so that push and wait raise it rather than block
+                self._failed = error
             finally:
                 self._queue.task_done()
 
@@ -234,10 +236,15 @@ class WeightSender:
                                       f"update the server or use --update-bucket-mb 0", status=400)
             except ServerError as error:
                 if error.status is not None:
-                    self._refused = error
+                    self._failed = error
                     return
                 self._drop(url, error)
-        works = {url: [group.broadcast(t) for t in snapshot] for url, group in self.groups.items()}
+        works = {}  # every server's broadcasts start before any is waited for
+        for url, group in list(self.groups.items()):
+            try:
+                works[url] = [group.broadcast(t) for t in snapshot]
+            except RuntimeError as error:  # some backends fail at the call (NCCL: two ranks on one GPU)
+                self._drop(url, error)
         for url, url_works in works.items():
             try:
                 for work in url_works:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import tyro
 
-from lm_human_preference_details.benchmarking import Device, device_env, machine, synchronize
+from lm_human_preference_details.benchmarking import Device, device_env, machine, run_logged, synchronize
 from lm_human_preference_details.cli import split_passthrough
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -97,8 +97,8 @@ def run_schedule(args: Args, name: str, flags: list[str], repeat: int) -> dict:
     out = os.path.join(args.out_dir, name.replace(" ", "_").replace("=", ""), f"run_{repeat}")
     cmd = [sys.executable, "-m", "lm_human_preference_details.grpo.launch", "--task", args.task, "--steps", str(args.steps),
            "--output-dir", out, "--wandb-mode", "disabled", "--save-interval", "0", *args.extra, *flags]  # the row's flags win
-    print("$", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, env=device_env(args.device), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    run_logged(cmd, out + ".log", device_env(args.device))  # the launcher's log; the servers' are in out/logs
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     elapsed = rows[-1]["time/elapsed_s"]
@@ -127,7 +127,7 @@ def scaling(args: Args) -> list[dict]:
     return rows
 
 
-def time_weight_updates(model: str, updates: int, bucket_mb: float, device: Device) -> dict:
+def time_weight_updates(model: str, updates: int, bucket_mb: float, device: Device, log_path: str) -> dict:
     """A real server generating at full batch; the trainer side pushes `updates` new versions one
     broadcast per tensor, then `updates` more in buckets of `bucket_mb` MiB."""
     import torch
@@ -137,9 +137,10 @@ def time_weight_updates(model: str, updates: int, bucket_mb: float, device: Devi
     from lm_human_preference_details.models import load_causal_lm
 
     port = free_port()
+    log = open(log_path, "wb")
     server = subprocess.Popen([sys.executable, "-m", "lm_human_preference_details.grpo.server", "--model", model,
                                "--port", str(port), "--threads", "1", "--max-batch-size", "16"],
-                              env=device_env(device), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                              env=device_env(device), stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_serving(url, server)
@@ -168,13 +169,14 @@ def time_weight_updates(model: str, updates: int, bucket_mb: float, device: Devi
         metrics = request_json("GET", f"{url}/metrics")
         busy.set()
         parameters = sum(p.numel() for p in trainer_model.parameters())
-        specs = parameter_specs(trainer_model)
+        specs = parameter_specs(trainer_model, server_dtype)  # as sent: bf16 buckets hold twice the tensors
         return {"model": model, "parameters": parameters, "tensors": len(specs), "bucket_mb": bucket_mb,
                 "broadcasts_bucketed": len(buckets(specs, int(bucket_mb * 2**20))), **timed,
                 "generated_tokens_meanwhile": metrics["generated_tokens"]}
     finally:
         server.terminate()
         server.wait(timeout=60)
+        log.close()
 
 
 def _keep_generating(url: str, stop: threading.Event) -> None:
@@ -305,6 +307,7 @@ def trl_step_times(args: Args) -> list[float]:
             # --ignore-eos: every completion max_tokens long, as the servers sample them
             generation_kwargs={"min_new_tokens": settings.max_tokens} if settings.ignore_eos else None,
             report_to="none", save_strategy="no", logging_steps=1, use_cpu=args.device == "cpu", seed=0, disable_tqdm=True,
+            bf16=False,  # TRL's default is bf16 autocast (also on a CPU); every other row computes in fp32
         )
         dataset = Dataset.from_dict({"prompt": [p.prompt for p in problems], "answer": [p.answer for p in problems]})
         trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(path), reward_funcs=reward, args=config,
@@ -323,9 +326,7 @@ def run_role(args: Args, role: str, python: str, repeat: int) -> dict:
     os.makedirs(os.path.dirname(result), exist_ok=True)
     cmd = [python, os.path.abspath(__file__), "--role", role, "--result", result, "--task", args.task,
            "--steps", str(args.steps), "--device", args.device, "--", *args.extra]
-    print("$", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, cwd=ROOT, env=device_env(args.device, python_path=ROOT, TRL_EXPERIMENTAL_SILENCE="1"),
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    run_logged(cmd, result.replace(".json", ".log"), device_env(args.device, python_path=ROOT, TRL_EXPERIMENTAL_SILENCE="1"), ROOT)
     with open(result) as f:
         step_s = json.load(f)
     # on-policy: it generates, then trains
@@ -376,19 +377,32 @@ def main(argv: list[str] | None = None) -> None:
     if args.trl_python:
         roles["trl"] = args.trl_python
     runs: dict[str, list[dict]] = {name: [] for name, _ in schedules(args)} | {ROLE_ROWS[role]: [] for role in roles}
+    updates: list[dict] = []
+    scaled: list[dict] = []
     for repeat in range(args.repeats):
         for name, flags in schedules(args):
             runs[name].append(run_schedule(args, name, flags, repeat))
+            save(args, runs, updates, scaled)
         for role, python in roles.items():
             runs[ROLE_ROWS[role]].append(run_role(args, role, python, repeat))
-    updates = [time_weight_updates(model, args.updates, args.update_bucket_mb, args.device) for model in args.update_models]
-    scaled = scaling(args) if args.scaling else []
-    table = markdown(args, runs, updates, scaled)
+            save(args, runs, updates, scaled)
+    for model in args.update_models:
+        updates.append(time_weight_updates(model, args.updates, args.update_bucket_mb, args.device,
+                                           os.path.join(args.out_dir, f"server_{model}.log")))
+        save(args, runs, updates, scaled)
+    if args.scaling:
+        scaled += scaling(args)
+        save(args, runs, updates, scaled)
+    print(markdown(args, runs, updates, scaled))
+
+
+def save(args: Args, runs: dict[str, list[dict]], updates: list[dict], scaled: list[dict]) -> None:
+    """results.json and results.md as they stand (after every run: a benchmark stopped midway keeps its rows)."""
+    runs = {name: rs for name, rs in runs.items() if rs}  # the first run is the pipeline's
     with open(os.path.join(args.out_dir, "results.json"), "w") as f:
         json.dump({"runs": runs, "updates": updates, "scaling": scaled}, f, indent=2)
     with open(os.path.join(args.out_dir, "results.md"), "w") as f:
-        f.write(table)
-    print(table)
+        f.write(markdown(args, runs, updates, scaled))
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ The scaling table (`--scaling`) repeats `ours` and `raw` over batch sizes and re
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,7 +32,7 @@ from dataclasses import dataclass, field
 
 import tyro
 
-from lm_human_preference_details.benchmarking import Device, device_env, machine, synchronize
+from lm_human_preference_details.benchmarking import Device, device_env, machine, run_logged, synchronize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -99,7 +98,7 @@ def raw_update_times(args: Args) -> list[float]:
             for t in range(args.response_length):
                 tokens.append(torch.multinomial(torch.softmax(out.logits[:, -1, :vocab].float(), -1), 1))
                 if t + 1 < args.response_length:
-                    out = policy.lm(input_ids=tokens[-1], past_key_values=out.past_key_values, use_cache=True)
+                    out = policy.lm(input_ids=tokens[-1], cache=out.cache, use_cache=True)
             ids = torch.cat([queries, *tokens], dim=1)
             policy(ids, pad_id), reference(ids, pad_id), reward(ids, pad_id)
         for _ in range(args.epochs):
@@ -158,27 +157,15 @@ def trl_update_times(args: Args) -> list[float]:
 
 
 # -------------------------------------------------------------------------------------- the table
-def run_process(cmd: list[str], env: dict) -> int:
-    """Run `cmd` to the end; its peak RSS in MiB (from the kernel's accounting of that child)."""
-    print("$", " ".join(cmd), flush=True)
-    process = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(process.pid, 0)
-    process.returncode = os.waitstatus_to_exitcode(status)
-    stderr = process.stderr.read().decode(errors="replace")
-    if process.returncode != 0:
-        raise RuntimeError(f"{cmd[:4]} failed ({process.returncode}):\n{stderr[-3000:]}")
-    return usage.ru_maxrss // 1024  # KiB on Linux
-
-
 def measure(args: Args, name: str, shape: Args, run_dir: str, reward_model: str) -> dict:
     result = os.path.join(run_dir, f"{name}.json")
     if name == "ours":
         episodes = shape.batch_size * (shape.warmup + shape.updates)
-        peak = run_process([sys.executable, "-m", "lm_human_preference_details.train_policy", "--task", "tiny", "--output-dir", run_dir,
+        peak = run_logged([sys.executable, "-m", "lm_human_preference_details.train_policy", "--task", "tiny", "--output-dir", run_dir,
                             "--wandb-mode", "disabled", "--rewards.trained-model", reward_model, "--save-interval", "0",
                             "--task.query-length", str(shape.query_length), "--task.response-length", str(shape.response_length),
                             "--ppo.batch-size", str(shape.batch_size), "--ppo.noptepochs", str(shape.epochs), "--ppo.nminibatches", "1",
-                            "--ppo.total-episodes", str(episodes)], env=device_env(args.device))
+                            "--ppo.total-episodes", str(episodes)], os.path.join(run_dir, "log.txt"), device_env(args.device), ROOT)
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
             times = [json.loads(line)["time/update_s"] for line in f][shape.warmup :]
     else:
@@ -186,7 +173,7 @@ def measure(args: Args, name: str, shape: Args, run_dir: str, reward_model: str)
         flags = ["--role", name, "--result", result, "--batch-size", str(shape.batch_size), "--query-length", str(shape.query_length),
                  "--response-length", str(shape.response_length), "--epochs", str(shape.epochs), "--warmup", str(shape.warmup),
                  "--updates", str(shape.updates), "--device", args.device]
-        peak = run_process([python, os.path.abspath(__file__), *flags], env=device_env(args.device, python_path=ROOT))
+        peak = run_logged([python, os.path.abspath(__file__), *flags], os.path.join(run_dir, "log.txt"), device_env(args.device, python_path=ROOT), ROOT)
         with open(result) as f:
             times = json.load(f)
     return {"s_per_update": statistics.median(times), "peak_mib": peak, "times": times}
@@ -207,7 +194,8 @@ def compare(args: Args, shape: Args, names: list[str], reward_model: str, label:
 def markdown(args: Args, main: dict, scaling: list[dict]) -> str:
     lines = [f"One PPO update on the `tiny` model: batch {args.batch_size}, {args.query_length} query + {args.response_length} response "
              f"tokens, {args.epochs} epochs, 1 minibatch; median of {args.repeats} processes x {args.updates} updates, "
-             f"{machine(args.device)}.", "",
+             f"{machine(args.device)}" + (" (host memory: mostly the CUDA context, not comparable across implementations)"
+                                           if args.device == "cuda" else "") + ".", "",
              "| implementation | s / update | episodes/s | peak host memory (MiB) | time / raw compute | ours' episodes/s / this |",
              "|---|---|---|---|---|---|"]
     for name, m in main.items():
@@ -232,11 +220,14 @@ def main(argv: list[str] | None = None) -> None:
     reward_dir = os.path.join(args.out_dir, "reward")
     reward_model = os.path.join(reward_dir, "reward_model")
     if not os.path.isdir(reward_model):
-        run_process([sys.executable, "-m", "lm_human_preference_details.train_reward", "--task", "tiny", "--output-dir", reward_dir,
-                     "--wandb-mode", "disabled", "--labels.num-train", "256", "--labels.num-test", "0"], env=device_env(args.device))
+        os.makedirs(reward_dir, exist_ok=True)
+        run_logged([sys.executable, "-m", "lm_human_preference_details.train_reward", "--task", "tiny", "--output-dir", reward_dir,
+                    "--wandb-mode", "disabled", "--labels.num-train", "256", "--labels.num-test", "0"],
+                   os.path.join(reward_dir, "log.txt"), device_env(args.device), ROOT)
     names = ["ours", "raw"] + (["trl"] if args.trl_python else [])
     main_table = compare(args, args, names, reward_model, "main")
-    scaling = []
+    scaling: list[dict] = []
+    save(args, main_table, scaling)
     if args.scaling:
         for batch_size in args.scaling_batches:
             for response_length in args.scaling_lengths:
@@ -244,12 +235,17 @@ def main(argv: list[str] | None = None) -> None:
                 both = compare(args, shape, ["ours", "raw"], reward_model, f"scaling_b{batch_size}_r{response_length}")
                 scaling.append({"batch_size": batch_size, "response_length": response_length,
                                 "ours": both["ours"]["s_per_update"], "raw": both["raw"]["s_per_update"]})
-    table = markdown(args, main_table, scaling)
+                save(args, main_table, scaling)
+    print(markdown(args, main_table, scaling))
+
+
+def save(args: Args, main_table: dict, scaling: list[dict]) -> None:
+    """results.json and results.md as they stand (after the main table and each scaling row: a benchmark
+    stopped midway keeps what it has)."""
     with open(os.path.join(args.out_dir, "results.json"), "w") as f:
         json.dump({"args": vars(args), "main": main_table, "scaling": scaling}, f, indent=2)
     with open(os.path.join(args.out_dir, "results.md"), "w") as f:
-        f.write(table)
-    print(table)
+        f.write(markdown(args, main_table, scaling))
 
 
 if __name__ == "__main__":

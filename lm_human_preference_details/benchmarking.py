@@ -1,6 +1,8 @@
-"""What the speed benchmarks (benchmarks/*_speed.py) share: the device their processes run on."""
+"""What the speed benchmarks (benchmarks/*_speed.py) share: the device their processes run on, and how
+a benchmarked process is run and logged."""
 
 import os
+import subprocess
 from typing import Literal
 
 Device = Literal["cpu", "cuda"]
@@ -31,3 +33,18 @@ def synchronize(device) -> None:
 
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
+
+
+def run_logged(cmd: list[str], log_path: str, env: dict[str, str], cwd: str | None = None) -> int:
+    """Run `cmd` to the end with its output in `log_path`; its peak RSS in MiB (the kernel's accounting
+    of that child). A failure raises with the log's last lines, so a benchmark's log says why."""
+    print("$", " ".join(cmd), flush=True)
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(process.pid, 0)
+    process.returncode = os.waitstatus_to_exitcode(status)
+    if process.returncode != 0:
+        with open(log_path, errors="replace") as f:
+            tail = f.read()[-3000:]
+        raise RuntimeError(f"{' '.join(cmd[:4])} ... failed ({process.returncode}); {log_path} ends:\n{tail}")
+    return usage.ru_maxrss // 1024  # KiB on Linux

@@ -2,8 +2,9 @@
 
 Each server gets a process group of its own with the trainer (rank 0 = trainer, rank 1 = server),
 gloo by default (CPU tensors, or GPU tensors through host memory) or NCCL between two GPUs (NCCL
-refuses two ranks on one GPU, so a server that shares the trainer's GPU takes gloo). One group per server, not one for all: a server that dies takes
-only its own group down, and the trainer carries on with the others. The groups are built from a
+refuses two ranks on one GPU, so a server that shares the trainer's GPU takes gloo). One group per
+server, not one for all: a server that dies takes only its own group down, and the trainer carries
+on with the others. The groups are built from a
 TCPStore, outside `torch.distributed`'s default group, so a trainer launched by accelerate keeps its
 own. An update is announced over HTTP with every tensor's name, shape and dtype; the server checks
 them against its model before anything is received, then the trainer broadcasts tensor by tensor
@@ -218,7 +219,7 @@ class WeightSender:
         while True:
             specs, snapshot, version, bucket_bytes = self._queue.get()
             try:
-                if self._failed is None:  # after a refusal nothing more is sent
+                if self._failed is None:  # after a failure nothing more is sent until push/wait raised it
                     self._send(specs, snapshot, version, bucket_bytes)
             except Exception as error:  # the thread lives on, so that push and wait raise it rather than block
                 self._failed = error

@@ -13,7 +13,6 @@ import pytest
 import torch
 from conftest import free_port, save_tiny_math_with_chat_template
 
-from lm_human_preference_details.assets import resolve_model_path
 from lm_human_preference_details.grpo.server import ServerError, request_json, wait_until_serving
 from lm_human_preference_details.grpo.weights import ParameterSpec, WeightSender, buckets, digest, flatten, parameter_specs, unflatten
 from lm_human_preference_details.models import load_causal_lm

@@ -42,6 +42,44 @@ def test_logprobs_are_those_of_a_full_forward_pass(tiny_math, temperature):
         engine.stop()
 
 
+def assert_full_forward_logprobs(model, tokenizer, requests, futures):
+    for request, future in zip(requests, futures):
+        generation = future.result(timeout=60)
+        expected = full_forward_logprobs(model, request.prompt_ids, generation.token_ids, request.temperature, len(tokenizer))
+        torch.testing.assert_close(torch.tensor(generation.logprobs), expected, atol=2e-5, rtol=0)
+
+
+def test_cache_columns_move_grow_and_are_dropped_without_changing_logprobs(tiny_math):
+    """The batch's buffers start 64 columns wide. Long generations run out of columns (the buffers
+    double), a longer prompt joining mid-run moves the live rows right, and short rows refilled for
+    longer than 64 steps leave the columns of finished rows behind (dropped in place): every logprob
+    stays a full forward's."""
+    model, tokenizer = tiny_math
+    short = [tokenizer(tiny_math_prompt(a, 1))["input_ids"] for a in range(5)]
+    long = tokenizer("".join(tiny_math_prompt(a, 3) for a in range(5)))["input_ids"]
+    engine = Engine(model, max_batch_size=4, seed=2, vocab_size=len(tokenizer)).start()
+    try:
+        requests = [GenerationRequest(p, max_new_tokens=n) for p, n in zip(short, [70, 20, 45, 9, 60])]
+        futures = [engine.submit(r) for r in requests]
+        while engine.stats["decode_steps"] < 12:  # the short rows are 11 + 12 columns wide, the long prompt more
+            threading.Event().wait(0.001)
+        assert len(long) > len(short[0]) + 12
+        requests += [GenerationRequest(long, max_new_tokens=70)] * 2
+        futures += engine.submit_many(requests[-2:])
+        assert_full_forward_logprobs(model, tokenizer, requests, futures)
+        assert engine._batch.mask.shape[1] > 64  # the buffers doubled
+    finally:
+        engine.stop()
+    engine = Engine(model, max_batch_size=4, seed=3, vocab_size=len(tokenizer)).start()
+    try:
+        # rows of 11 + at most 20 columns refilled as they finish: 80 decode steps in 64 columns
+        requests = [GenerationRequest(short[i % 5], max_new_tokens=(6, 11, 16, 20)[i % 4]) for i in range(24)]
+        assert_full_forward_logprobs(model, tokenizer, requests, engine.submit_many(requests))
+        assert engine.stats["decode_steps"] > 64 and engine._batch.mask.shape[1] == 64
+    finally:
+        engine.stop()
+
+
 def test_samples_of_one_prompt_share_its_prefill(tiny_math):
     model, tokenizer = tiny_math
     engine = Engine(model, max_batch_size=16, seed=0, vocab_size=len(tokenizer))

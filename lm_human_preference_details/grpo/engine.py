@@ -6,10 +6,14 @@ samples of a prompt share it), take one decode step for every active
 sequence, hand finished sequences back. A finished sequence's slot is refilled on the next
 iteration, so the batch stays full while requests are queued (continuous batching).
 
-The KV cache is one tensor per layer, rows right-aligned: a row's valid columns are a suffix, the
-columns to their left are masked, and a new row joins left-padded. Sequences in flight keep their
-cache across a weight update (PipelineRL: the stale keys and values are not recomputed), and every
-token records the weight version that sampled it.
+The KV cache lives in buffers allocated once per layer ([rows, heads, columns, head dim], see
+`DecodingBatch`): a decode step writes one column in place, where transformers' `DynamicCache`
+would copy the whole cache twice (building the cache object, then concatenating the new column).
+Rows are right-aligned: a row's valid columns are a suffix of the columns in use, the columns to
+their left are masked, and a new row joins left-padded. A finished row is filled by the last row,
+so only the rows that move are copied. Sequences in flight keep their cache across a weight
+update (PipelineRL: the stale keys and values are not recomputed), and every token records the
+weight version that sampled it.
 
 Why not transformers' `init_continuous_batching`: it runs its own scheduler thread, so there is no
 point between two decode steps where new weights can be swapped in atomically, and it does not
@@ -23,7 +27,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 
 @dataclass
@@ -72,10 +76,7 @@ class Engine:
         self._wake = threading.Condition()
         self._stopped = False
         self._active: list[_Sequence] = []
-        self._cache: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)
-        self._positions = torch.zeros(0, dtype=torch.long, device=self.device)
-        self._last_tokens = torch.zeros(0, dtype=torch.long, device=self.device)
+        self._batch = DecodingBatch(max_batch_size, self.device)
         self.stats = collections.Counter()
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
@@ -209,97 +210,193 @@ class Engine:
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
         self.stats["prefill_tokens"] += int(mask.sum())
         rows = torch.tensor(rows, device=self.device)
-        new_cache = [(layer.keys[rows], layer.values[rows]) for layer in out.cache.layers]
-        self._append_rows(admitted, new_cache, mask[rows], mask.sum(1)[rows])
-        self._sample(out.logits[rows, -1], rows=slice(len(self._active) - len(admitted), None))
+        first = self._batch.rows
+        self._batch.append([(layer.keys[rows], layer.values[rows]) for layer in out.cache.layers], mask[rows], mask.sum(1)[rows])
+        self._active.extend(admitted)
+        self._sample(out.logits[rows, -1], first_row=first)
 
     def _decode_step(self) -> None:
-        mask = torch.cat([self._mask, torch.ones_like(self._mask[:, :1])], dim=1)
-        cache = DynamicCache(ddp_cache_data=self._cache)
+        batch = self._batch
+        mask = batch.open_column()
         out = self.model(
-            input_ids=self._last_tokens[:, None], attention_mask=mask, position_ids=self._positions[:, None],
-            cache=cache, use_cache=True,
+            input_ids=batch.last_tokens[: batch.rows, None], attention_mask=mask,
+            position_ids=batch.positions[: batch.rows, None], cache=batch.cache, use_cache=True,
         )
-        self._cache = [(layer.keys, layer.values) for layer in out.cache.layers]
-        self._mask = mask
-        self._positions = self._positions + 1
+        batch.close_column()
         self.stats["decode_steps"] += 1
         self.stats["decode_rows"] += len(self._active)
-        self._sample(out.logits[:, -1], rows=slice(None))
+        self._sample(out.logits[:, -1], first_row=0)
 
-    def _sample(self, logits: torch.Tensor, rows: slice) -> None:
-        sequences = self._active[rows]
+    def _sample(self, logits: torch.Tensor, first_row: int) -> None:
+        """Sample the next token of rows first_row.. of the batch from their last logits."""
+        sequences = self._active[first_row:]
         temperatures = torch.tensor([s.request.temperature for s in sequences], device=self.device)
         logprobs = torch.log_softmax(logits[:, : self.vocab_size].float() / temperatures[:, None], dim=-1)
         tokens = torch.multinomial(logprobs.exp(), 1, generator=self.generator)[:, 0]
         token_logprobs = logprobs.gather(1, tokens[:, None])[:, 0]
-        self._last_tokens[rows] = tokens
+        self._batch.last_tokens[first_row : self._batch.rows] = tokens
         finished = []
-        for sequence, token, logprob in zip(sequences, tokens.tolist(), token_logprobs.tolist()):
+        for row, (sequence, token, logprob) in enumerate(zip(sequences, tokens.tolist(), token_logprobs.tolist()), first_row):
             sequence.token_ids.append(token)
             sequence.logprobs.append(logprob)
             sequence.versions.append(self.version)
             if sequence.future.cancelled():
-                finished.append((sequence, "cancelled"))
+                finished.append((row, "cancelled"))
             elif token in sequence.request.stop_token_ids:
-                finished.append((sequence, "stop"))
+                finished.append((row, "stop"))
             elif len(sequence.token_ids) >= sequence.request.max_new_tokens:
-                finished.append((sequence, "length"))
+                finished.append((row, "length"))
         self.stats["generated_tokens"] += len(sequences)
         if finished:
-            self._finish([s for s, _ in finished], [reason for _, reason in finished])
+            self._finish(finished)
 
-    def _finish(self, sequences: list[_Sequence], reasons: list[str]) -> None:
-        done = {id(s) for s in sequences}
-        keep = torch.tensor([id(s) not in done for s in self._active], device=self.device)
-        self._active = [s for s in self._active if id(s) not in done]
-        self._cache = [(k[keep], v[keep]) for k, v in self._cache]
-        self._mask, self._positions, self._last_tokens = self._mask[keep], self._positions[keep], self._last_tokens[keep]
-        self._trim_columns()
-        for sequence, reason in zip(sequences, reasons):
+    def _finish(self, finished: list[tuple[int, str]]) -> None:
+        """Hand back the sequences of these (row, reason) and free their rows."""
+        sequences = [(self._active[row], reason) for row, reason in finished]
+        for source, target in self._batch.remove([row for row, _ in finished]):
+            self._active[target] = self._active[source]
+        del self._active[self._batch.rows :]
+        for sequence, reason in sequences:
             if reason != "cancelled":
                 self.stats["completed"] += 1
                 sequence.future.set_result(Generation(sequence.token_ids, sequence.logprobs, sequence.versions, reason))
 
-    def _append_rows(self, sequences, cache, mask, positions) -> None:
-        if not self._active:
-            self._cache, self._mask = cache, mask
-        else:
-            width = max(self._mask.shape[1], mask.shape[1])
-            old = [(_left_pad(k, width), _left_pad(v, width)) for k, v in self._cache]
-            new = [(_left_pad(k, width), _left_pad(v, width)) for k, v in cache]
-            self._cache = [(torch.cat([ok, nk]), torch.cat([ov, nv])) for (ok, ov), (nk, nv) in zip(old, new)]
-            self._mask = torch.cat([_left_pad(self._mask, width), _left_pad(mask, width)])
-        self._positions = torch.cat([self._positions, positions])
-        self._last_tokens = torch.cat([self._last_tokens, torch.zeros_like(positions)])
-        self._active.extend(sequences)
-
-    def _trim_columns(self) -> None:
-        # rows are right-aligned, so the columns no row uses are a prefix
-        if not self._active:
-            self._reset_batch()
-            return
-        width = int(self._mask.sum(1).max())
-        if width < self._mask.shape[1]:
-            self._cache = [(k[:, :, -width:], v[:, :, -width:]) for k, v in self._cache]
-            self._mask = self._mask[:, -width:]
-
     def _reset_batch(self) -> None:
-        self._active, self._cache = [], []
-        self._mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)
-        self._positions = torch.zeros(0, dtype=torch.long, device=self.device)
-        self._last_tokens = torch.zeros(0, dtype=torch.long, device=self.device)
+        self._active = []
+        self._batch.clear()
 
 
-def _left_pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
-    """Pad the sequence axis (dim 2 of a cache tensor [B, heads, T, d], dim 1 of a mask [B, T]) on the left."""
-    axis = 2 if tensor.dim() == 4 else 1
-    missing = width - tensor.shape[axis]
-    if missing == 0:
-        return tensor
-    shape = list(tensor.shape)
-    shape[axis] = missing
-    return torch.cat([tensor.new_zeros(shape), tensor], dim=axis)
+class DecodingBatch:
+    """The rows being decoded: per layer a key and a value buffer [rows, heads, columns, head dim],
+    the attention mask [rows, columns], and each row's next position and last sampled token.
+
+    Columns 0..width-1 are in use and every row ends at column width-1 (right-aligned); a decode
+    step writes column `width` of every row (`open_column`, the forward, `close_column`). When the
+    buffers run out of columns, the columns no row uses any more (a prefix) are dropped, and the
+    buffers double only if that frees less than half of them. Rows 0..rows-1 are live. The first
+    `append` allocates the buffers (its dtype and shapes); they are kept, so memory stays at its peak.
+    """
+
+    def __init__(self, max_rows: int, device: torch.device):
+        self.max_rows, self.device = max_rows, device
+        self.rows = self.width = 0
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.mask = torch.zeros(max_rows, 0, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_rows, dtype=torch.long, device=device)
+        self.last_tokens = torch.zeros(max_rows, dtype=torch.long, device=device)
+        self.cache: Cache | None = None
+        """what the model's forward gets: each layer's `update` writes at column `width` (`_BufferLayer`)"""
+
+    def append(self, layers: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor, positions: torch.Tensor) -> None:
+        """Add rows: per layer their keys and values [n, heads, length, head dim], their mask [n, length]
+        (left-padded) and next positions [n]."""
+        n, length = mask.shape
+        if self.rows + n > self.max_rows:
+            raise ValueError(f"{self.rows} + {n} rows exceed the batch's {self.max_rows}")
+        if self.cache is None:
+            columns = max(64, 2 * length)
+            self.keys = [k.new_zeros(self.max_rows, k.shape[1], columns, k.shape[3]) for k, _ in layers]
+            self.values = [v.new_zeros(self.max_rows, v.shape[1], columns, v.shape[3]) for _, v in layers]
+            self.mask = self.mask.new_zeros(self.max_rows, columns)
+            self.cache = Cache(layers=[_BufferLayer(self, i) for i in range(len(layers))])
+        if length > self.width:  # the new rows are longer than the columns in use: the live rows move right
+            self._move_columns(length, capacity=length + 1)
+        new, start = slice(self.rows, self.rows + n), self.width - length
+        for keys, values, (k, v) in zip(self.keys, self.values, layers):
+            keys[new, :, start : self.width] = k
+            values[new, :, start : self.width] = v
+        self.mask[new, :start] = 0
+        self.mask[new, start : self.width] = mask
+        self.positions[new] = positions
+        self.last_tokens[new] = 0
+        self.rows += n
+
+    def remove(self, rows: list[int]) -> list[tuple[int, int]]:
+        """Free these rows: the live rows past the new end move into the freed rows below it.
+        Returns the moves (source row, target row)."""
+        end = self.rows - len(rows)
+        freed = set(rows)
+        targets = sorted(r for r in freed if r < end)
+        sources = [r for r in range(end, self.rows) if r not in freed]
+        if targets:
+            source, target = (torch.tensor(r, device=self.device) for r in (sources, targets))
+            for buffer in (*self.keys, *self.values):
+                buffer[target, :, : self.width] = buffer[source, :, : self.width]
+            self.mask[target, : self.width] = self.mask[source, : self.width]
+            self.positions[target], self.last_tokens[target] = self.positions[source], self.last_tokens[source]
+        self.rows = end
+        if not end:
+            self.width = 0
+        return list(zip(sources, targets))
+
+    def clear(self) -> None:
+        self.rows = self.width = 0
+
+    def open_column(self) -> torch.Tensor:
+        """Make room for one more column and unmask it in the live rows; returns the step's attention mask."""
+        if self.width == self.mask.shape[1]:
+            used = int(self.mask[: self.rows, : self.width].sum(1).max())
+            self._move_columns(used, capacity=self.width if used < self.width // 2 else 2 * self.width)
+        self.mask[: self.rows, self.width] = 1
+        return self.mask[: self.rows, : self.width + 1]
+
+    def close_column(self) -> None:
+        self.width += 1
+        self.positions[: self.rows] += 1
+
+    def _move_columns(self, width: int, capacity: int) -> None:
+        """Keep the last min(width, self.width) columns in use, right-aligned at column width-1, in
+        buffers of at least `capacity` columns; columns to their left are masked."""
+        kept = min(width, self.width)
+        grow = capacity > self.mask.shape[1]
+        if kept or grow:
+            moved = []
+            for buffer in (*self.keys, *self.values, self.mask):
+                axis = 2 if buffer.dim() == 4 else 1
+                source = buffer[: self.rows].narrow(axis, self.width - kept, kept)
+                if grow:
+                    shape = list(buffer.shape)
+                    shape[axis] = capacity
+                    target = buffer.new_zeros(shape)
+                else:  # in place: the source and target columns may overlap
+                    target, source = buffer, source.clone()
+                target[: self.rows].narrow(axis, width - kept, kept).copy_(source)
+                moved.append(target)
+            layers = len(self.keys)
+            self.keys, self.values, self.mask = moved[:layers], moved[layers:-1], moved[-1]
+            self.mask[: self.rows, : width - kept] = 0
+        self.width = width
+
+
+class _BufferLayer(CacheLayerMixin):
+    """transformers' view of one layer of a `DecodingBatch`: `update` writes the step's keys and
+    values at column `width` and returns the columns in use, as views of the buffers."""
+
+    is_initialized = True
+
+    def __init__(self, batch: DecodingBatch, layer: int):
+        self.batch, self.layer = batch, layer
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        batch, width = self.batch, self.batch.width
+        end = width + key_states.shape[2]
+        keys, values = batch.keys[self.layer], batch.values[self.layer]
+        keys[: batch.rows, :, width:end] = key_states
+        values[: batch.rows, :, width:end] = value_states
+        return keys[: batch.rows, :, :end], values[: batch.rows, :, :end]
+
+    def get_seq_length(self) -> int:
+        return self.batch.width
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.batch.width + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
 
 
 def _max_positions(config) -> int:

@@ -270,16 +270,17 @@ class DecodingBatch:
     """The rows being decoded: per layer a key and a value buffer [rows, heads, columns, head dim],
     the attention mask [rows, columns], and each row's next position and last sampled token.
 
-    Columns 0..width-1 are in use and every row ends at column width-1 (right-aligned); a decode
-    step writes column `width` of every row (`open_column`, the forward, `close_column`). When the
-    buffers run out of columns, the columns no row uses any more (a prefix) are dropped, and the
-    buffers double only if that frees less than half of them. Rows 0..rows-1 are live. The first
-    `append` allocates the buffers (its dtype and shapes); they are kept, so memory stays at its peak.
+    Rows 0..rows-1 are live. Every row ends at column width-1 (right-aligned); columns start..width-1
+    are in use (the longest live row starts at `start`), and only they go into the attention. A
+    decode step writes column `width` of every row (`open_column`, the forward, `close_column`).
+    When the buffers run out of columns, the columns in use move to the left edge, into buffers of
+    twice the size if they fill half of them. The first `append` allocates the buffers (its dtype
+    and shapes); they are kept, so memory stays at its peak.
     """
 
     def __init__(self, max_rows: int, device: torch.device):
         self.max_rows, self.device = max_rows, device
-        self.rows = self.width = 0
+        self.rows = self.start = self.width = 0
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.mask = torch.zeros(max_rows, 0, dtype=torch.long, device=device)
@@ -300,14 +301,19 @@ class DecodingBatch:
             self.values = [v.new_zeros(self.max_rows, v.shape[1], columns, v.shape[3]) for _, v in layers]
             self.mask = self.mask.new_zeros(self.max_rows, columns)
             self.cache = Cache(layers=[_BufferLayer(self, i) for i in range(len(layers))])
-        if length > self.width:  # the new rows are longer than the columns in use: the live rows move right
+        if not self.rows:
+            self.start = self.width = 0
+        if length > self.width:  # no room left of the live rows: they move right
             self._move_columns(length, capacity=length + 1)
-        new, start = slice(self.rows, self.rows + n), self.width - length
+        new, first = slice(self.rows, self.rows + n), self.width - length
         for keys, values, (k, v) in zip(self.keys, self.values, layers):
-            keys[new, :, start : self.width] = k
-            values[new, :, start : self.width] = v
-        self.mask[new, :start] = 0
-        self.mask[new, start : self.width] = mask
+            keys[new, :, first : self.width] = k
+            values[new, :, first : self.width] = v
+        if self.rows and first < self.start:  # columns the live rows never wrote come into use
+            self.mask[: self.rows, first : self.start] = 0
+        self.start = min(self.start, first) if self.rows else first
+        self.mask[new, self.start : first] = 0
+        self.mask[new, first : self.width] = mask
         self.positions[new] = positions
         self.last_tokens[new] = 0
         self.rows += n
@@ -321,57 +327,58 @@ class DecodingBatch:
         sources = [r for r in range(end, self.rows) if r not in freed]
         if targets:
             source, target = (torch.tensor(r, device=self.device) for r in (sources, targets))
+            used = slice(self.start, self.width)
             for buffer in (*self.keys, *self.values):
-                buffer[target, :, : self.width] = buffer[source, :, : self.width]
-            self.mask[target, : self.width] = self.mask[source, : self.width]
+                buffer[target, :, used] = buffer[source, :, used]
+            self.mask[target, used] = self.mask[source, used]
             self.positions[target], self.last_tokens[target] = self.positions[source], self.last_tokens[source]
         self.rows = end
-        if not end:
-            self.width = 0
+        if end:  # the columns left of the longest remaining row are no longer in use
+            self.start = self.width - int(self.mask[:end, self.start : self.width].sum(1).max())
         return list(zip(sources, targets))
 
     def clear(self) -> None:
-        self.rows = self.width = 0
+        self.rows = 0
 
     def open_column(self) -> torch.Tensor:
         """Make room for one more column and unmask it in the live rows; returns the step's attention mask."""
-        if self.width == self.mask.shape[1]:
-            used = int(self.mask[: self.rows, : self.width].sum(1).max())
-            self._move_columns(used, capacity=self.width if used < self.width // 2 else 2 * self.width)
+        columns = self.mask.shape[1]
+        if self.width == columns:
+            used = self.width - self.start
+            self._move_columns(used, capacity=columns if used < columns // 2 else 2 * columns)
         self.mask[: self.rows, self.width] = 1
-        return self.mask[: self.rows, : self.width + 1]
+        return self.mask[: self.rows, self.start : self.width + 1]
 
     def close_column(self) -> None:
         self.width += 1
         self.positions[: self.rows] += 1
 
     def _move_columns(self, width: int, capacity: int) -> None:
-        """Keep the last min(width, self.width) columns in use, right-aligned at column width-1, in
-        buffers of at least `capacity` columns; columns to their left are masked."""
-        kept = min(width, self.width)
+        """Move the columns in use so that they end at column width-1, in buffers of at least
+        `capacity` columns."""
+        used = self.width - self.start
         grow = capacity > self.mask.shape[1]
-        if kept or grow:
+        if self.rows and (grow or width != self.width):
             moved = []
             for buffer in (*self.keys, *self.values, self.mask):
                 axis = 2 if buffer.dim() == 4 else 1
-                source = buffer[: self.rows].narrow(axis, self.width - kept, kept)
+                source = buffer[: self.rows].narrow(axis, self.start, used)
                 if grow:
                     shape = list(buffer.shape)
                     shape[axis] = capacity
                     target = buffer.new_zeros(shape)
                 else:  # in place: the source and target columns may overlap
                     target, source = buffer, source.clone()
-                target[: self.rows].narrow(axis, width - kept, kept).copy_(source)
+                target[: self.rows].narrow(axis, width - used, used).copy_(source)
                 moved.append(target)
             layers = len(self.keys)
             self.keys, self.values, self.mask = moved[:layers], moved[layers:-1], moved[-1]
-            self.mask[: self.rows, : width - kept] = 0
-        self.width = width
+        self.start, self.width = width - used, width
 
 
 class _BufferLayer(CacheLayerMixin):
     """transformers' view of one layer of a `DecodingBatch`: `update` writes the step's keys and
-    values at column `width` and returns the columns in use, as views of the buffers."""
+    values at column `width` and returns the columns in use (start..), as views of the buffers."""
 
     is_initialized = True
 
@@ -387,13 +394,13 @@ class _BufferLayer(CacheLayerMixin):
         keys, values = batch.keys[self.layer], batch.values[self.layer]
         keys[: batch.rows, :, width:end] = key_states
         values[: batch.rows, :, width:end] = value_states
-        return keys[: batch.rows, :, :end], values[: batch.rows, :, :end]
+        return keys[: batch.rows, :, batch.start : end], values[: batch.rows, :, batch.start : end]
 
-    def get_seq_length(self) -> int:
-        return self.batch.width
+    def get_seq_length(self) -> int:  # the columns in use: the step's queries come after them
+        return self.batch.width - self.batch.start
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.batch.width + query_length, 0
+        return self.get_seq_length() + query_length, 0
 
     def get_max_length(self) -> int:
         return -1

@@ -196,7 +196,7 @@ class InferenceServer:
                 raise BadRequest(f"prompt {i}: {error}" if len(generations) > 1 else str(error)) from None
         futures = self.engine.submit_many([generation for generation in generations for _ in range(n)])
         self.requests += 1
-        return await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        return await _all_results(futures)
 
     def _response(self, kind: str, prompts_ids: list[list[int]], batched: bool, choices: list[dict]) -> dict:
         completion_tokens = sum(len(c["token_ids"]) for c in choices)
@@ -318,6 +318,33 @@ class InferenceServer:
 
         digests = await asyncio.wrap_future(self.engine.call_between_steps(lambda: digest(self.model)))
         return web.json_response({"model_version": self.engine.version, "digests": digests})
+
+
+async def _all_results(futures: list) -> list:
+    """The results of these engine futures, with one wake-up of the event loop when the last is
+    done (`asyncio.wrap_future` wakes it once per future: per sample, not per request)."""
+    loop = asyncio.get_running_loop()
+    all_done = loop.create_future()
+    remaining = len(futures)
+    lock = threading.Lock()
+
+    def count(_) -> None:
+        nonlocal remaining
+        with lock:
+            remaining -= 1
+            last = remaining == 0
+        if last:
+            loop.call_soon_threadsafe(lambda: all_done.done() or all_done.set_result(None))
+
+    for future in futures:
+        future.add_done_callback(count)
+    try:
+        await all_done
+    except asyncio.CancelledError:  # the client went away: queued samples are dropped before they start
+        for future in futures:
+            future.cancel()
+        raise
+    return [future.result() for future in futures]
 
 
 def _run_forever(calls: queue.Queue) -> None:

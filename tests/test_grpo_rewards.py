@@ -92,6 +92,13 @@ def test_math_reward_in_a_worker_thread():
     assert results == [1.0, 1.0, 0.0]
 
 
+def test_math_reward_remembers_judgements():
+    before = rewards._verify_boxed.cache_info()
+    assert [math_reward("so \\boxed{3+4}", "7") for _ in range(3)] == [1.0] * 3
+    after = rewards._verify_boxed.cache_info()
+    assert after.hits - before.hits >= 2 and after.misses - before.misses <= 1
+
+
 def test_math_reward_times_out_on_a_power_tower_in_the_main_thread(monkeypatch):
     monkeypatch.setattr(rewards, "VERIFY_TIMEOUT_S", 1)
     faulthandler.dump_traceback_later(60, exit=True)  # without the timeout sympy never returns: end the run, loudly

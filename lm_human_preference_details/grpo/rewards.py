@@ -6,6 +6,7 @@ Problems come from offline generators (arithmetic) or from GSM8K, MATH-500 and O
 data, on the hub or in local JSON / JSON-lines files.
 """
 
+import functools
 import itertools
 import json
 import operator
@@ -83,8 +84,15 @@ def math_reward(completion: str, answer: str) -> float:
     quick = integer_reward(completion, answer)
     if quick is not None:
         return quick
-    boxed = last_boxed(completion)
     timeout = VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    return _verify_boxed(last_boxed(completion), answer, timeout)
+
+
+@functools.lru_cache(maxsize=2**16)
+def _verify_boxed(boxed: str, answer: str, timeout: float | None) -> float:
+    """math_verify's judgement of a box against the answer, remembered: a policy repeats its answers
+    (a run of the `tiny` preset at 24 tokens sends the same few dozen boxes thousands of times) and
+    each judgement costs milliseconds of sympy."""
     try:
         gold = math_verify.parse(f"\\boxed{{{answer}}}", parsing_timeout=timeout)
         pred = math_verify.parse(f"\\boxed{{{boxed}}}", parsing_timeout=timeout)

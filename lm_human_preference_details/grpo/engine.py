@@ -314,8 +314,7 @@ class DecodingBatch:
         self.start = min(self.start, first) if self.rows else first
         self.mask[new, self.start : first] = 0
         self.mask[new, first : self.width] = mask
-        self.positions[new] = positions
-        self.last_tokens[new] = 0
+        self.positions[new] = positions  # their last tokens: sampled from the prefill's logits next
         self.rows += n
 
     def remove(self, rows: list[int]) -> list[tuple[int, int]]:
@@ -338,6 +337,7 @@ class DecodingBatch:
         return list(zip(sources, targets))
 
     def clear(self) -> None:
+        """Drop every row (a failed step); the buffers stay."""
         self.rows = 0
 
     def open_column(self) -> torch.Tensor:
@@ -355,17 +355,17 @@ class DecodingBatch:
 
     def _move_columns(self, width: int, capacity: int) -> None:
         """Move the columns in use so that they end at column width-1, in buffers of at least
-        `capacity` columns."""
-        used = self.width - self.start
-        grow = capacity > self.mask.shape[1]
-        if self.rows and (grow or width != self.width):
+        `capacity` columns (buffers that grow at least double)."""
+        used, columns = self.width - self.start, self.mask.shape[1]
+        grow = capacity > columns
+        if grow or (self.rows and width != self.width):
             moved = []
             for buffer in (*self.keys, *self.values, self.mask):
                 axis = 2 if buffer.dim() == 4 else 1
                 source = buffer[: self.rows].narrow(axis, self.start, used)
                 if grow:
                     shape = list(buffer.shape)
-                    shape[axis] = capacity
+                    shape[axis] = max(capacity, 2 * columns)
                     target = buffer.new_zeros(shape)
                 else:  # in place: the source and target columns may overlap
                     target, source = buffer, source.clone()

@@ -323,6 +323,8 @@ class InferenceServer:
 async def _all_results(futures: list) -> list:
     """The results of these engine futures, with one wake-up of the event loop when the last is
     done (`asyncio.wrap_future` wakes it once per future: per sample, not per request)."""
+    if not futures:
+        return []
     loop = asyncio.get_running_loop()
     all_done = loop.create_future()
     remaining = len(futures)

@@ -10,7 +10,7 @@ from lm_human_preference_details.assets import tiny_math_prompt
 from lm_human_preference_details.grpo.config import GRPOArgs
 from lm_human_preference_details.grpo.engine import Engine, GenerationRequest
 from lm_human_preference_details.grpo.server import load_for_inference
-from lm_human_preference_details.grpo.trainer import batch_tensors, pack, token_logprobs
+from lm_human_preference_details.grpo.trainer import batch_tensors, flatten_groups, pack, token_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -50,26 +50,40 @@ def assert_full_forward_logprobs(model, tokenizer, requests, futures):
 
 
 def test_cache_columns_move_grow_and_are_dropped_without_changing_logprobs(tiny_math):
-    """The batch's buffers start 64 columns wide. Long generations run out of columns (the buffers
-    double), a longer prompt joining mid-run moves the live rows right, and short rows refilled for
-    longer than 64 steps leave the columns of finished rows behind (dropped in place): every logprob
-    stays a full forward's."""
+    """The batch's buffers start 64 columns wide. A longer prompt reaching an idle engine grows them;
+    one joining live rows moves those right (and grows them); long generations run out of columns
+    (the buffers double); short rows refilled for longer than 64 steps leave the columns of finished
+    rows behind (dropped in place). Every logprob stays a full forward's."""
     model, tokenizer = tiny_math
     short = [tokenizer(tiny_math_prompt(a, 1))["input_ids"] for a in range(5)]
-    long = tokenizer("".join(tiny_math_prompt(a, 3) for a in range(5)))["input_ids"]
+    long = tokenizer("".join(tiny_math_prompt(a, b) for a in range(3) for b in range(3)))["input_ids"]
+    assert len(long) > 64 + 11
+
+    engine = Engine(model, max_batch_size=4, seed=1, vocab_size=len(tokenizer)).start()
+    try:
+        for prompt in (short[0], long):  # the second arrives with no row live
+            request = GenerationRequest(prompt, max_new_tokens=8)
+            assert_full_forward_logprobs(model, tokenizer, [request], [engine.submit(request)])
+    finally:
+        engine.stop()
+
     engine = Engine(model, max_batch_size=4, seed=2, vocab_size=len(tokenizer)).start()
     try:
         requests = [GenerationRequest(p, max_new_tokens=n) for p, n in zip(short, [70, 20, 45, 9, 60])]
-        futures = [engine.submit(r) for r in requests]
-        while engine.stats["decode_steps"] < 12:  # the short rows are 11 + 12 columns wide, the long prompt more
+        futures = engine.submit_many(requests)
+        while not engine.stats["decode_steps"]:
             threading.Event().wait(0.001)
-        assert len(long) > len(short[0]) + 12
-        requests += [GenerationRequest(long, max_new_tokens=70)] * 2
+        paused, resume = threading.Event(), threading.Event()
+        engine.call_between_steps(lambda: (paused.set(), resume.wait(60)))
+        paused.wait(60)  # the short rows are live and at most 11 + 70 columns wide: the long prompt is wider
+        requests += [GenerationRequest(long, max_new_tokens=60)] * 2
         futures += engine.submit_many(requests[-2:])
+        resume.set()
         assert_full_forward_logprobs(model, tokenizer, requests, futures)
-        assert engine._batch.mask.shape[1] > 64  # the buffers doubled
+        assert engine._batch.mask.shape[1] >= 256  # grown for the long prompt (128), then doubled
     finally:
         engine.stop()
+
     engine = Engine(model, max_batch_size=4, seed=3, vocab_size=len(tokenizer)).start()
     try:
         # rows of 11 + at most 20 columns refilled as they finish: 80 decode steps in 64 columns
@@ -161,39 +175,79 @@ def test_weights_change_between_decode_steps_and_sequences_keep_their_cache(tiny
         engine.stop()
 
 
-def test_trainer_logprobs_match_the_engine_on_policy(tiny_math):
-    """The trainer's packed, right-padded forward reproduces the server's sampling logprobs, so the
-    importance ratio of on-policy tokens is 1."""
+def sampled_groups(tiny_math, prompts: list[str], max_tokens: list[int], attempts: int) -> list[dict]:
+    """Stream records of `attempts` engine samples of each prompt (temperature 0.8, stopping at EOS)."""
     model, tokenizer = tiny_math
     engine = Engine(model, max_batch_size=8, seed=3, vocab_size=len(tokenizer)).start()
     try:
-        prompts = [tokenizer(p)["input_ids"] for p in ["1+2=\\boxed{", "33+4=\\boxed{", "0+0=\\boxed{", "9*9=\\boxed{"]]
+        prompt_ids = [tokenizer(p)["input_ids"] for p in prompts]
         requests = [GenerationRequest(p, max_new_tokens=n, temperature=0.8, stop_token_ids=frozenset([tokenizer.eos_token_id]))
-                    for p, n in zip(prompts, [5, 11, 3, 8])]
-        generations = [f.result(timeout=60) for f in [engine.submit(r) for r in requests]]
+                    for p, n in zip(prompt_ids, max_tokens)]
+        futures = engine.submit_many([r for r in requests for _ in range(attempts)])
+        generations = [f.result(timeout=60) for f in futures]
     finally:
         engine.stop()
-    samples = [{"prompt_ids": p, "completion_ids": g.token_ids, "logprobs": g.logprobs, "versions": g.versions}
-               for p, g in zip(prompts, generations)]
-    lengths = [len(s["prompt_ids"]) + len(s["completion_ids"]) for s in samples]
-    micro_batches = pack(lengths, token_budget=2 * max(lengths))
+    return [{"prompt_ids": p, "problem_id": str(i), "attempts": [
+        {"completion_ids": g.token_ids, "logprobs": g.logprobs, "versions": g.versions}
+        for g in generations[i * attempts : (i + 1) * attempts]]} for i, p in enumerate(prompt_ids)]
+
+
+def test_trainer_logprobs_match_the_engine_on_policy(tiny_math):
+    """The trainer's packed forward (each prompt once, its attempts right-padded after it) reproduces
+    the server's sampling logprobs, so the importance ratio of on-policy tokens is 1."""
+    model, tokenizer = tiny_math
+    groups = sampled_groups(tiny_math, ["1+2=\\boxed{", "33+4=\\boxed{", "0+0=\\boxed{", "9*9=\\boxed{"], [5, 11, 3, 8], attempts=3)
+    samples = flatten_groups(groups)
+    micro_batches = pack(groups, token_budget=80)
     assert sorted(i for mb in micro_batches for i in mb) == [0, 1, 2, 3] and len(micro_batches) > 1
     for indices in micro_batches:
-        batch = batch_tensors(samples, indices, "cpu")
+        batch = batch_tensors(groups, indices, "cpu")
         with torch.no_grad():
             new, _ = token_logprobs(model, batch, 0.8, len(tokenizer))
         mask = batch["mask"].bool()
-        assert int(mask.sum()) == sum(len(samples[i]["completion_ids"]) for i in indices)
+        rows = batch["rows"].tolist()
+        assert [samples[r]["completion_ids"] for r in rows] == [row[m].tolist() for row, m in zip(batch["completion_ids"], mask)]
         torch.testing.assert_close(new[mask], batch["behaviour"][mask], atol=2e-5, rtol=0)
 
 
+def test_shared_prompt_forward_has_the_gradient_of_one_forward_per_sample(tiny_math):
+    """The loss's gradient through `token_logprobs` (each prompt once, prompts of different lengths)
+    equals the gradient through a plain forward of every prompt + completion."""
+    model, tokenizer = tiny_math
+    groups = sampled_groups(tiny_math, ["1+2=\\boxed{", "33+44=\\boxed{"], [6, 9], attempts=4)
+    samples = flatten_groups(groups)
+    weights = torch.randn(len(samples))  # a loss that weighs every sample differently
+
+    def gradients(loss):
+        model.zero_grad()
+        loss.backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    batch = batch_tensors(groups, [0, 1], "cpu")
+    new, _ = token_logprobs(model, batch, 0.8, len(tokenizer))
+    shared = gradients((new * batch["mask"] * weights[batch["rows"], None]).sum())
+    plain_loss = 0.0
+    for sample, weight in zip(samples, weights):
+        p, c = sample["prompt_ids"], sample["completion_ids"]
+        logits = model(torch.tensor([p + c])).logits[0, len(p) - 1 : -1, : len(tokenizer)]
+        plain_loss = plain_loss + weight * torch.log_softmax(logits / 0.8, -1).gather(1, torch.tensor(c)[:, None]).sum()
+    plain = gradients(plain_loss)
+    for name in plain:
+        torch.testing.assert_close(shared[name], plain[name], atol=1e-5, rtol=1e-4)
+
+
 def test_pack_respects_the_token_budget():
-    lengths = [10, 3, 7, 7, 2, 10, 5]
-    batches = pack(lengths, token_budget=20)
-    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
-    for b in batches:
-        assert len(b) * max(lengths[i] for i in b) <= 20
-    assert pack([50, 3], token_budget=20) == [[0], [1]]  # too long for the budget: alone
+    def group(prompt: int, completions: list[int]) -> dict:
+        return {"prompt_ids": [1] * prompt, "attempts": [{"completion_ids": [2] * c} for c in completions]}
+
+    groups = [group(5, [3, 1]), group(4, [6, 2]), group(5, [1, 1]), group(3, [4, 4]), group(6, [2, 2])]
+    batches = pack(groups, token_budget=30)
+    assert sorted(i for b in batches for i in b) == list(range(len(groups)))
+    for b in batches:  # prompts once each + every completion, each padded to the micro-batch's longest
+        tokens = len(b) * max(len(groups[i]["prompt_ids"]) for i in b)
+        tokens += sum(len(groups[i]["attempts"]) for i in b) * max(len(a["completion_ids"]) for i in b for a in groups[i]["attempts"])
+        assert tokens <= 30
+    assert pack([group(40, [3]), group(2, [2])], token_budget=30) == [[0], [1]]  # over the budget: alone
 
 
 def test_grpo_args_check_names_the_field():

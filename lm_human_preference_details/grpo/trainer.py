@@ -5,7 +5,8 @@ then pushes the new weights into the inference servers.
         read batch_size / group_size groups from the stream (waiting if the actor is behind;
         sync mode waits for the whole round of `sync_steps` batches, as conventional RL does)
         advantages: reward - group mean (option: leave-one-out, / std)
-        pack the sequences into micro-batches of at most `token_budget` tokens
+        pack the groups into micro-batches of at most `token_budget` tokens (a group's prompt
+        goes through the model once, its attempts share its keys and values)
         loss: REINFORCE with the importance ratio pi/mu capped above (or PPO-clip), optional k3 KL,
               summed over tokens and divided by the number of sequences; backward per micro-batch
         clip the gradient norm, optimizer step, version += 1
@@ -25,6 +26,7 @@ import sys
 import time
 
 import torch
+from transformers import DynamicCache
 
 from lm_human_preference_details import cli
 from lm_human_preference_details.grpo.config import GRPOArgs, get_preset
@@ -41,44 +43,69 @@ log = logging.getLogger(__name__)
 CHECKPOINT = "checkpoint"
 
 
-def pack(lengths: list[int], token_budget: int) -> list[list[int]]:
-    """Indices of sequences grouped into micro-batches whose rows x padded length fit the budget
-    (longest first, so sequences of similar length share a micro-batch and little is padding).
-    A sequence longer than the budget gets a micro-batch of its own."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+def pack(groups: list[dict], token_budget: int) -> list[list[int]]:
+    """Indices of groups packed into micro-batches whose padded tokens fit the budget: the prompts
+    (each once, see `token_logprobs`) plus every completion, padded to the longest of the micro-batch.
+    Longest completions first, so groups of similar length share a micro-batch and little is padding;
+    a group over the budget gets a micro-batch of its own."""
+    def completions(g: dict) -> int:
+        return max(len(a["completion_ids"]) for a in g["attempts"])
+
+    def cost(batch: list[int]) -> int:
+        prompts = len(batch) * max(len(groups[i]["prompt_ids"]) for i in batch)
+        return prompts + sum(len(groups[i]["attempts"]) for i in batch) * max(completions(groups[i]) for i in batch)
+
     batches: list[list[int]] = []
-    for i in order:
-        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= token_budget:
+    for i in sorted(range(len(groups)), key=lambda i: -completions(groups[i])):
+        if batches and cost(batches[-1] + [i]) <= token_budget:
             batches[-1].append(i)
         else:
             batches.append([i])
     return batches
 
 
-def batch_tensors(samples: list[dict], indices: list[int], device) -> dict[str, torch.Tensor]:
-    """Right-padded prompt+completion ids and attention mask, and per target position (the token at
-    t+1 predicted at t) the completion mask and the behaviour logprobs."""
-    rows = [samples[i] for i in indices]
-    length = max(len(s["prompt_ids"]) + len(s["completion_ids"]) for s in rows)
-    ids, attention, completion, behaviour = [], [], [], []
-    for s in rows:  # plain lists, one tensor per field: a tensor per row costs more than the model on tiny
-        p, c = len(s["prompt_ids"]), len(s["completion_ids"])
-        pad = length - p - c
-        ids.append(s["prompt_ids"] + s["completion_ids"] + [0] * pad)
-        attention.append([1] * (p + c) + [0] * pad)
-        completion.append([0.0] * (p - 1) + [1.0] * c + [0.0] * pad)
-        behaviour.append([0.0] * (p - 1) + s["logprobs"] + [0.0] * pad)
-    tensors = dict(input_ids=torch.tensor(ids), attention_mask=torch.tensor(attention),
-                   mask=torch.tensor(completion), behaviour=torch.tensor(behaviour))
+def batch_tensors(groups: list[dict], indices: list[int], device) -> dict[str, torch.Tensor]:
+    """The groups' prompts once each, right-padded (`prompt_ids`, `prompt_mask`, `prompt_lengths`),
+    and their attempts, one row each (`rows`: the index of the row's sample in `flatten_groups`, and
+    `prompt_row`: its prompt's row): completion ids right-padded, `mask` on the completion tokens, and
+    the behaviour logprobs."""
+    prompts = [groups[i]["prompt_ids"] for i in indices]
+    attempts = [(p, a) for p, i in enumerate(indices) for a in groups[i]["attempts"]]
+    first_sample = [0]
+    for g in groups:
+        first_sample.append(first_sample[-1] + len(g["attempts"]))
+    p_len, c_len = max(map(len, prompts)), max(len(a["completion_ids"]) for _, a in attempts)
+    # plain lists, one tensor per field: a tensor per row costs more than the model on tiny
+    tensors = dict(
+        prompt_ids=torch.tensor([p + [0] * (p_len - len(p)) for p in prompts]),
+        prompt_mask=torch.tensor([[1] * len(p) + [0] * (p_len - len(p)) for p in prompts]),
+        prompt_lengths=torch.tensor([len(p) for p in prompts]),
+        rows=torch.tensor([first_sample[i] + j for i in indices for j in range(len(groups[i]["attempts"]))]),
+        prompt_row=torch.tensor([p for p, _ in attempts]),
+        completion_ids=torch.tensor([a["completion_ids"] + [0] * (c_len - len(a["completion_ids"])) for _, a in attempts]),
+        mask=torch.tensor([[1.0] * len(a["completion_ids"]) + [0.0] * (c_len - len(a["completion_ids"])) for _, a in attempts]),
+        behaviour=torch.tensor([a["logprobs"] + [0.0] * (c_len - len(a["logprobs"])) for _, a in attempts]),
+    )
     return {k: v.to(device) for k, v in tensors.items()}
 
 
 def token_logprobs(model, batch: dict, temperature: float, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logprobs of each next token at the sampling temperature (B, T-1) and the entropy of each
-    next-token distribution (B, T-1), logits restricted to the tokenizer's ids as the server's are."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1, :vocab_size]
+    """Logprobs of each completion token at the sampling temperature (rows, completion length) and
+    the entropy of each next-token distribution, logits restricted to the tokenizer's ids as the
+    server's are. A group's prompt goes through the model once, not once per attempt: its keys and
+    values are shared by the group's rows (gradients flow back through both passes), the same
+    numbers as a forward of each prompt + completion, for a fraction of the work when completions are short."""
+    prompt = model(input_ids=batch["prompt_ids"], attention_mask=batch["prompt_mask"], use_cache=True)
+    row = batch["prompt_row"]
+    cache = DynamicCache(ddp_cache_data=[(layer.keys[row], layer.values[row]) for layer in prompt.cache.layers])
+    completion_length = batch["completion_ids"].shape[1]
+    positions = batch["prompt_lengths"][row, None] + torch.arange(completion_length, device=row.device)
+    attention = torch.cat([batch["prompt_mask"][row], batch["mask"].long()], dim=1)
+    completion = model(input_ids=batch["completion_ids"], attention_mask=attention, position_ids=positions, cache=cache)
+    last_prompt_logits = prompt.logits[torch.arange(len(prompt.logits), device=row.device), batch["prompt_lengths"] - 1]
+    logits = torch.cat([last_prompt_logits[row, None], completion.logits[:, :-1]], dim=1)[..., :vocab_size]
     logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
-    taken = logprobs.gather(2, batch["input_ids"][:, 1:, None])[..., 0]
+    taken = logprobs.gather(2, batch["completion_ids"][..., None])[..., 0]
     entropy = -(logprobs.exp() * logprobs).sum(-1)
     return taken, entropy.detach()
 
@@ -133,12 +160,12 @@ def train(args: GRPOArgs, server_urls: list[str]) -> None:
         stats_sum: dict[str, float] = {}
         entropy_sum = tokens = 0.0
         ratios = []  # pi/mu of every completion token: its max and ESS are over the whole batch
-        for indices in pack([len(s["prompt_ids"]) + len(s["completion_ids"]) for s in samples], args.token_budget):
-            batch = batch_tensors(samples, indices, model.device)
+        for indices in pack(groups, args.token_budget):
+            batch = batch_tensors(groups, indices, model.device)
             new_logprobs, entropy = token_logprobs(model, batch, args.temperature, vocab_size)
             ref_logprobs = token_logprobs(reference, batch, args.temperature, vocab_size)[0].detach() if reference else None
             loss, stats = policy_loss(
-                new_logprobs, batch["behaviour"], advantages[indices].to(model.device), batch["mask"],
+                new_logprobs, batch["behaviour"], advantages.to(model.device)[batch["rows"]], batch["mask"],
                 num_sequences=len(samples), loss_type=args.loss_type, ratio_cap=args.ratio_cap,
                 clip_eps=args.clip_eps, ref_logprobs=ref_logprobs, kl_coef=args.kl_coef,
             )

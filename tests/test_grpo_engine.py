@@ -198,8 +198,9 @@ def test_trainer_logprobs_match_the_engine_on_policy(tiny_math):
     model, tokenizer = tiny_math
     groups = sampled_groups(tiny_math, ["1+2=\\boxed{", "33+4=\\boxed{", "0+0=\\boxed{", "9*9=\\boxed{"], [5, 11, 3, 8], attempts=3)
     samples = flatten_groups(groups)
-    micro_batches = pack(groups, token_budget=80)
-    assert sorted(i for mb in micro_batches for i in mb) == [0, 1, 2, 3] and len(micro_batches) > 1
+    micro_batches = pack(groups, token_budget=40)  # 4 prompts of 11-12 tokens + 12 completions do not fit
+    attempts = sorted((i, j) for mb in micro_batches for i, first, end in mb for j in range(first, end))
+    assert attempts == [(i, j) for i in range(4) for j in range(3)] and len(micro_batches) > 1
     for indices in micro_batches:
         batch = batch_tensors(groups, indices, "cpu")
         with torch.no_grad():
@@ -223,7 +224,7 @@ def test_shared_prompt_forward_has_the_gradient_of_one_forward_per_sample(tiny_m
         loss.backward()
         return {name: p.grad.clone() for name, p in model.named_parameters()}
 
-    batch = batch_tensors(groups, [0, 1], "cpu")
+    batch = batch_tensors(groups, [(1, 0, 3), (0, 0, 4), (1, 3, 4)], "cpu")  # rows in another order than the samples'
     new, _ = token_logprobs(model, batch, 0.8, len(tokenizer))
     shared = gradients((new * batch["mask"] * weights[batch["rows"], None]).sum())
     plain_loss = 0.0
@@ -236,18 +237,22 @@ def test_shared_prompt_forward_has_the_gradient_of_one_forward_per_sample(tiny_m
         torch.testing.assert_close(shared[name], plain[name], atol=1e-5, rtol=1e-4)
 
 
-def test_pack_respects_the_token_budget():
+def test_pack_fills_the_token_budget_and_splits_only_groups_over_it():
     def group(prompt: int, completions: list[int]) -> dict:
         return {"prompt_ids": [1] * prompt, "attempts": [{"completion_ids": [2] * c} for c in completions]}
 
+    def tokens(batch) -> int:  # prompts once each + every completion, each padded to the micro-batch's longest
+        prompt = max(len(groups[i]["prompt_ids"]) for i, _, _ in batch)
+        completion = max(len(a["completion_ids"]) for i, first, end in batch for a in groups[i]["attempts"][first:end])
+        return len(batch) * prompt + sum(end - first for _, first, end in batch) * completion
+
     groups = [group(5, [3, 1]), group(4, [6, 2]), group(5, [1, 1]), group(3, [4, 4]), group(6, [2, 2])]
     batches = pack(groups, token_budget=30)
-    assert sorted(i for b in batches for i in b) == list(range(len(groups)))
-    for b in batches:  # prompts once each + every completion, each padded to the micro-batch's longest
-        tokens = len(b) * max(len(groups[i]["prompt_ids"]) for i in b)
-        tokens += sum(len(groups[i]["attempts"]) for i in b) * max(len(a["completion_ids"]) for i in b for a in groups[i]["attempts"])
-        assert tokens <= 30
-    assert pack([group(40, [3]), group(2, [2])], token_budget=30) == [[0], [1]]  # over the budget: alone
+    assert sorted(part for b in batches for part in b) == [(i, 0, 2) for i in range(5)]  # no group split
+    assert all(tokens(b) <= 30 for b in batches) and len(batches) == 3
+    groups = [group(10, [8, 8, 8, 8, 8]), group(2, [2])]
+    assert pack(groups, token_budget=30) == [[(0, 0, 2)], [(0, 2, 4)], [(0, 4, 5)], [(1, 0, 1)]]  # 2 x (10 + 8 x 2) > 30
+    assert pack(groups, token_budget=12) == [[(0, i, i + 1)] for i in range(5)] + [[(1, 0, 1)]]  # over it alone: one attempt
 
 
 def test_grpo_args_check_names_the_field():
@@ -262,3 +267,14 @@ def test_grpo_args_check_names_the_field():
     if not torch.cuda.is_available():
         with pytest.raises(UserError, match="--weight-backend nccl sends GPU tensors and no GPU is visible; use --weight-backend gloo"):
             GRPOArgs(weight_backend="nccl").check_weight_backend()
+
+
+def test_shared_prompt_forward_refuses_sliding_window_layers():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           num_key_value_heads=1, sliding_window=4)
+    group = {"prompt_ids": [1, 2, 3, 4, 5, 6], "attempts": [{"completion_ids": [7, 8], "logprobs": [0.0, 0.0]}] * 2}
+    batch = batch_tensors([group], [(0, 0, 2)], "cpu")
+    with pytest.raises(NotImplementedError, match="sliding-window"):
+        token_logprobs(MistralForCausalLM(config).eval(), batch, 1.0, 16)

@@ -82,7 +82,9 @@ class GRPOArgs(RunArgs):
     kl_coef: float = 0.0
     """k3 KL penalty to the initial policy (0: no reference model)"""
     token_budget: int = 4096
-    """tokens per forward/backward micro-batch: its prompts once each, plus its completions padded to the longest"""
+    """tokens per forward/backward micro-batch: its prompts once each, padded to the longest prompt, plus
+    its completions, padded to the longest completion (a group over it is split; the prompts' keys and
+    values, copied to each row, are not counted)"""
     sample_interval: int = 10
     """optimizer steps between sample tables (samples.jsonl and wandb; a wandb Table every step would
     cost the tiny preset's trainer a tenth of its time)"""

@@ -27,6 +27,7 @@ import time
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from lm_human_preference_details import cli
 from lm_human_preference_details.grpo.config import GRPOArgs, get_preset
@@ -43,48 +44,57 @@ log = logging.getLogger(__name__)
 CHECKPOINT = "checkpoint"
 
 
-def pack(groups: list[dict], token_budget: int) -> list[list[int]]:
-    """Indices of groups packed into micro-batches whose padded tokens fit the budget: the prompts
-    (each once, see `token_logprobs`) plus every completion, padded to the longest of the micro-batch.
-    Longest completions first, so groups of similar length share a micro-batch and little is padding;
-    a group over the budget gets a micro-batch of its own."""
-    def completions(g: dict) -> int:
-        return max(len(a["completion_ids"]) for a in g["attempts"])
+Part = tuple[int, int, int]
+"""attempts first..end-1 of group i: (i, first, end)"""
 
-    def cost(batch: list[int]) -> int:
-        prompts = len(batch) * max(len(groups[i]["prompt_ids"]) for i in batch)
-        return prompts + sum(len(groups[i]["attempts"]) for i in batch) * max(completions(groups[i]) for i in batch)
 
-    batches: list[list[int]] = []
-    for i in sorted(range(len(groups)), key=lambda i: -completions(groups[i])):
-        if batches and cost(batches[-1] + [i]) <= token_budget:
-            batches[-1].append(i)
+def pack(groups: list[dict], token_budget: int) -> list[list[Part]]:
+    """The groups' attempts packed into micro-batches whose padded tokens fit the budget: each part's
+    prompt once (see `token_logprobs`), padded to the longest prompt, plus every completion, padded to
+    the longest completion. A group too big for the budget is split into parts of as many attempts as
+    fit (at least one); parts with the longest completions go first, so parts of similar length
+    share a micro-batch and little is padding."""
+    def cost(batch: list[Part]) -> int:
+        prompt = max(len(groups[i]["prompt_ids"]) for i, _, _ in batch)
+        completion = max(len(a["completion_ids"]) for i, first, end in batch for a in groups[i]["attempts"][first:end])
+        return len(batch) * prompt + sum(end - first for _, first, end in batch) * completion
+
+    parts = []
+    for i, group in enumerate(groups):
+        prompt, attempts = len(group["prompt_ids"]), len(group["attempts"])
+        completion = max(len(a["completion_ids"]) for a in group["attempts"])
+        per_part = max(1, min(attempts, (token_budget - prompt) // completion))
+        parts += [(i, first, min(first + per_part, attempts)) for first in range(0, attempts, per_part)]
+    batches: list[list[Part]] = []
+    for part in sorted(parts, key=lambda part: -cost([part])):
+        if batches and cost(batches[-1] + [part]) <= token_budget:
+            batches[-1].append(part)
         else:
-            batches.append([i])
+            batches.append([part])
     return batches
 
 
-def batch_tensors(groups: list[dict], indices: list[int], device) -> dict[str, torch.Tensor]:
-    """The groups' prompts once each, right-padded (`prompt_ids`, `prompt_mask`, `prompt_lengths`),
-    and their attempts, one row each (`rows`: the index of the row's sample in `flatten_groups`, and
+def batch_tensors(groups: list[dict], parts: list[Part], device) -> dict[str, torch.Tensor]:
+    """Each part's prompt once, right-padded (`prompt_ids`, `prompt_mask`, `prompt_lengths`), and its
+    attempts, one row each (`rows`: the index of the row's sample in `flatten_groups`, and
     `prompt_row`: its prompt's row): completion ids right-padded, `mask` on the completion tokens, and
     the behaviour logprobs."""
-    prompts = [groups[i]["prompt_ids"] for i in indices]
-    attempts = [(p, a) for p, i in enumerate(indices) for a in groups[i]["attempts"]]
     first_sample = [0]
     for g in groups:
         first_sample.append(first_sample[-1] + len(g["attempts"]))
-    p_len, c_len = max(map(len, prompts)), max(len(a["completion_ids"]) for _, a in attempts)
+    prompts = [groups[i]["prompt_ids"] for i, _, _ in parts]
+    attempts = [(p, groups[i]["attempts"][j], first_sample[i] + j) for p, (i, first, end) in enumerate(parts) for j in range(first, end)]
+    p_len, c_len = max(map(len, prompts)), max(len(a["completion_ids"]) for _, a, _ in attempts)
     # plain lists, one tensor per field: a tensor per row costs more than the model on tiny
     tensors = dict(
         prompt_ids=torch.tensor([p + [0] * (p_len - len(p)) for p in prompts]),
         prompt_mask=torch.tensor([[1] * len(p) + [0] * (p_len - len(p)) for p in prompts]),
         prompt_lengths=torch.tensor([len(p) for p in prompts]),
-        rows=torch.tensor([first_sample[i] + j for i in indices for j in range(len(groups[i]["attempts"]))]),
-        prompt_row=torch.tensor([p for p, _ in attempts]),
-        completion_ids=torch.tensor([a["completion_ids"] + [0] * (c_len - len(a["completion_ids"])) for _, a in attempts]),
-        mask=torch.tensor([[1.0] * len(a["completion_ids"]) + [0.0] * (c_len - len(a["completion_ids"])) for _, a in attempts]),
-        behaviour=torch.tensor([a["logprobs"] + [0.0] * (c_len - len(a["logprobs"])) for _, a in attempts]),
+        rows=torch.tensor([sample for _, _, sample in attempts]),
+        prompt_row=torch.tensor([p for p, _, _ in attempts]),
+        completion_ids=torch.tensor([a["completion_ids"] + [0] * (c_len - len(a["completion_ids"])) for _, a, _ in attempts]),
+        mask=torch.tensor([[1.0] * len(a["completion_ids"]) + [0.0] * (c_len - len(a["completion_ids"])) for _, a, _ in attempts]),
+        behaviour=torch.tensor([a["logprobs"] + [0.0] * (c_len - len(a["logprobs"])) for _, a, _ in attempts]),
     )
     return {k: v.to(device) for k, v in tensors.items()}
 
@@ -96,6 +106,9 @@ def token_logprobs(model, batch: dict, temperature: float, vocab_size: int) -> t
     values are shared by the group's rows (gradients flow back through both passes), the same
     numbers as a forward of each prompt + completion, for a fraction of the work when completions are short."""
     prompt = model(input_ids=batch["prompt_ids"], attention_mask=batch["prompt_mask"], use_cache=True)
+    if not all(type(layer) is DynamicLayer for layer in prompt.cache.layers):
+        raise NotImplementedError(f"{type(model).__name__} has sliding-window or linear-attention layers: the trainer shares a "
+                                  "prompt's keys and values across its attempts, which needs full-attention layers")
     row = batch["prompt_row"]
     cache = DynamicCache(ddp_cache_data=[(layer.keys[row], layer.values[row]) for layer in prompt.cache.layers])
     completion_length = batch["completion_ids"].shape[1]

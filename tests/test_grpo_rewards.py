@@ -95,9 +95,9 @@ def test_math_reward_in_a_worker_thread():
 def test_math_reward_remembers_judgements():
     before = rewards._verify_boxed.cache_info()
     assert [math_reward("so \\boxed{3+4}", "7") for _ in range(3)] == [1.0] * 3
-    assert math_reward("so \\boxed{3+4}", "8") == 0.0  # judged against its own answer
     after = rewards._verify_boxed.cache_info()
     assert after.hits - before.hits >= 2 and after.misses - before.misses <= 1
+    assert math_reward("so \\boxed{3+4}", "8") == 0.0  # judged against its own answer
 
 
 def test_math_reward_times_out_on_a_power_tower_in_the_main_thread(monkeypatch):

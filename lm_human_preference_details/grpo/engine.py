@@ -386,7 +386,7 @@ class _BufferLayer(CacheLayerMixin):
         self.batch, self.layer = batch, layer
 
     def lazy_initialization(self, key_states, value_states) -> None:
-        pass
+        """Nothing to allocate: `DecodingBatch.append` made the buffers."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         batch, width = self.batch, self.batch.width

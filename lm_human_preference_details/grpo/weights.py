@@ -5,11 +5,12 @@ gloo by default (CPU tensors, or GPU tensors through host memory) or NCCL betwee
 refuses two ranks on one GPU, so a server that shares the trainer's GPU takes gloo). One group per
 server, not one for all: a server that dies takes only its own group down, and the trainer carries
 on with the others. The groups are built from a TCPStore, outside `torch.distributed`'s default
-group, so a trainer launched by accelerate keeps its own. An update is announced over HTTP with every tensor's name, shape and dtype; the server checks
-them against its model before anything is received, then the trainer broadcasts tensor by tensor
-(PipelineRL's way), or, with a bucket size, consecutive tensors concatenated into flat buckets: on
-gloo every broadcast costs about 0.3 ms of CPU on each side however small its tensor, so a small
-model's 28 tensors cost 20 times what one bucket of them does.
+group, so a trainer launched by accelerate keeps its own. An update is announced over HTTP with
+every tensor's name, shape and dtype; the server checks them against its model before anything is
+received, then the trainer broadcasts tensor by tensor (PipelineRL's way), or, with a bucket size,
+consecutive tensors concatenated into flat buckets: on gloo every broadcast costs about 0.3 ms of
+CPU on each side however small its tensor, so a small model's 28 tensors cost 20 times what one
+bucket of them does.
 """
 
 import datetime

@@ -59,6 +59,19 @@ def redis_client(url: str, decode_responses: bool = False):
     return redis.Redis(host=where.host, port=where.port, db=where.db, decode_responses=decode_responses)
 
 
+@pytest.fixture(autouse=True)
+def seeded():
+    """Every test starts from the same random state, whatever ran before it: a failure reproduces."""
+    import random
+
+    import numpy as np
+    import torch
+
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+
+
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory):
     """CI's server from LMHPD_REDIS_URL, else a redis-server of our own on a free port, stopped at the end."""

@@ -62,7 +62,10 @@ class AdamTensorFlowStyle(torch.optim.Optimizer):
 
 
 def make_optimizer(name: OptimizerName, params, lr: float, eps: float) -> torch.optim.Optimizer:
-    """`adam_tf`: OAI's optimizer (the default everywhere); `adam_torch`: torch.optim.Adam, for the ablation."""
+    """`adam_tf`: OAI's optimizer (the PPO stages' default); `adam_torch`: torch.optim.Adam (the PPO
+    ablation, GRPO's default), fused on CPU and CUDA: one kernel for all parameters, not a Python loop
+    over them (the tiny model's step: 0.8 -> 0.2 ms on CPU)."""
     if name == "adam_tf":
         return AdamTensorFlowStyle(params, lr=lr, eps=eps)
-    return torch.optim.Adam(params, lr=lr, eps=eps)
+    params = list(params)
+    return torch.optim.Adam(params, lr=lr, eps=eps, fused=all(p.device.type in ("cpu", "cuda") for p in params))

@@ -106,8 +106,9 @@ def _open_log(path: str, keep_up_to_step: int | None):
 
 
 def read_metrics(path: str) -> list[dict]:
+    """Every complete line of a metrics.jsonl (of a live run too: a line still being written has no newline yet)."""
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return [json.loads(line) for line in f if line.endswith("\n") and line.strip()]
 
 
 def plot_curves(metrics_path: str, panels: dict[str, list[str]], png_path: str, title: str) -> None:

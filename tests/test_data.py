@@ -139,10 +139,11 @@ def test_load_labels_over_http_from_another_process(label_file):
     import sys
 
     path, labels = label_file
-    server = subprocess.Popen([sys.executable, "-m", "http.server", "0", "--bind", "127.0.0.1", "--directory", os.path.dirname(path)],
+    server = subprocess.Popen([sys.executable, "-u", "-m", "http.server", "0", "--bind", "127.0.0.1", "--directory", os.path.dirname(path)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        port = int(server.stdout.readline().split("port ")[1].split()[0])  # "Serving HTTP on 127.0.0.1 port N ..."
+        # "Serving HTTP on 127.0.0.1 port N ...", unbuffered (-u): without it the line can sit in the pipe's buffer
+        port = int(server.stdout.readline().split("port ")[1].split()[0])
         url = f"http://127.0.0.1:{port}/{os.path.basename(path)}"
         loaded = load_labels(url, **SPEC)
         assert torch.equal(loaded.samples, labels.samples) and torch.equal(loaded.best, labels.best)

@@ -119,7 +119,8 @@ def test_finished_slots_are_refilled_and_stop_tokens_end_sequences(tiny_math):
     try:
         prompt = tokenizer(tiny_math_prompt(1, 2))["input_ids"]
         lengths = [2, 9, 3, 7, 4, 8, 5, 6, 2, 9, 3, 7, 4, 8, 5, 6]
-        generations = [f.result(timeout=60) for f in [engine.submit(GenerationRequest(prompt, n)) for n in lengths]]
+        # queued at once (submitted one by one, the engine could start on part of them)
+        generations = [f.result(timeout=60) for f in engine.submit_many([GenerationRequest(prompt, n) for n in lengths])]
         assert [len(g.token_ids) for g in generations] == lengths
         # without refilling, each wave of 4 would decode for its longest member: mean occupancy about 2.6
         assert engine.stats["decode_rows"] / engine.stats["decode_steps"] > 3.3

@@ -2,6 +2,7 @@
 machine. Both schedules learn; lag follows the schedule; a killed server is survived; Ctrl-C,
 SIGTERM and a killed launcher leave no process behind; a killed run resumes."""
 
+import contextlib
 import json
 import os
 import signal
@@ -65,12 +66,25 @@ def metrics(output_dir) -> list[dict]:
 class Launched:
     """A launcher process whose descendants are recorded while it runs."""
 
+    started: list["Launched"] = []
+    """every launcher of the test running: the `no_launcher_left_behind` fixture kills what is left"""
+
     def __init__(self, output_dir, *flags):
         self.output_dir = str(output_dir)
         self.log_path = os.path.join(self.output_dir + ".log")
         self.log = open(self.log_path, "wb")
         self.process = subprocess.Popen(LAUNCH + ["--output-dir", self.output_dir, *flags], stdout=self.log, stderr=subprocess.STDOUT)
         self.seen: dict[int, str] = {}
+        Launched.started.append(self)
+
+    def kill(self) -> None:
+        """SIGKILL the launcher and every descendant seen or still there."""
+        self.seen.update(descendants(self.process.pid))
+        for pid in [self.process.pid, *self.seen]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.process.wait()
+        self.log.close()
 
     def watch_until(self, condition, timeout_s=300.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -97,6 +111,17 @@ class Launched:
         while alive(self.seen) and time.monotonic() < deadline:
             time.sleep(0.1)
         return alive(self.seen)
+
+
+@pytest.fixture(autouse=True)
+def no_launcher_left_behind():
+    """A test that fails midway leaves no launcher, server, trainer or actor running into the next
+    tests (they would take the CPU and time them out)."""
+    yield
+    while Launched.started:
+        run = Launched.started.pop()
+        if run.process.poll() is None or alive(run.seen):
+            run.kill()
 
 
 def success_rise(rows: list[dict]) -> tuple[float, float]:
@@ -136,7 +161,9 @@ def test_both_schedules_learn_and_leave_no_process_behind(tmp_path, mode):
 
 @pytest.mark.slow
 def test_a_killed_server_is_survived_the_actor_retries_elsewhere(tmp_path):
-    run = Launched(tmp_path / "run", "--num-servers", "2", "--steps", "60")
+    # long generations (64 tokens, not the preset's few): the servers are busy nearly all the time, so
+    # the kill below finds requests in flight
+    run = Launched(tmp_path / "run", "--num-servers", "2", "--steps", "60", "--max-tokens", "64", "--ignore-eos")
     run.watch_until(lambda: len(metrics(run.output_dir)) >= 10)
     servers = {int(command.split("--port ")[1].split()[0]): pid for pid, command in run.seen.items() if "grpo.server" in command}
     assert len(servers) == 2

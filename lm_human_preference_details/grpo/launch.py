@@ -96,6 +96,8 @@ class Run:
         metrics = {}
         for url in self.server_urls:
             try:
+                # the trainer's last update may still be on its way in: counted once it serves
+                request_json("GET", f"{url}/health?wait_for_version={self.args.steps}&timeout_s=5", timeout_s=10)
                 metrics[url] = request_json("GET", f"{url}/metrics", timeout_s=5)
             except ServerError as error:
                 metrics[url] = {"error": str(error)}

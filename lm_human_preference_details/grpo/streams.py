@@ -15,6 +15,7 @@ checkpoint resumes with `open_reader(url, start=position)`.
 
 import contextlib
 import json
+import math
 import os
 import time
 from collections.abc import Iterator
@@ -330,7 +331,7 @@ class RedisStreamReader:
         return records
 
     def _xread(self, count: int, deadline: float) -> list[tuple[str, dict]]:
-        block_ms = int((deadline - time.monotonic()) * 1000)
+        block_ms = math.ceil((deadline - time.monotonic()) * 1000)  # rounded up: a read never returns before its timeout
         with _reaching(self._where):
             # BLOCK 0 would wait forever, so a spent deadline asks once without blocking
             block = block_ms if block_ms > 0 else None

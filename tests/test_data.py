@@ -142,7 +142,7 @@ def test_load_labels_over_http_from_another_process(label_file):
     server = subprocess.Popen([sys.executable, "-u", "-m", "http.server", "0", "--bind", "127.0.0.1", "--directory", os.path.dirname(path)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        # "Serving HTTP on 127.0.0.1 port N ...", unbuffered (-u): without it the line can sit in the pipe's buffer
+        # "Serving HTTP on 127.0.0.1 port N ...": -u, or the line can wait in the child's stdout buffer (a pipe is block-buffered)
         port = int(server.stdout.readline().split("port ")[1].split()[0])
         url = f"http://127.0.0.1:{port}/{os.path.basename(path)}"
         loaded = load_labels(url, **SPEC)

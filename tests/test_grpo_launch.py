@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import uuid
+from typing import ClassVar
 
 import pytest
 from conftest import redis_client, save_tiny_math_with_chat_template, with_stream
@@ -20,25 +21,31 @@ from lm_human_preference_details.grpo.server import request_json
 LAUNCH = [sys.executable, "-m", "lm_human_preference_details.grpo.launch", "--wandb-mode", "disabled"]  # --task tiny is the default
 
 
+def command_line(pid: int) -> str:
+    """The process's command line from /proc ("" once it is gone, or while it exits)."""
+    try:
+        with open(f"/proc/{pid}/cmdline") as f:
+            return f.read().replace("\0", " ")
+    except OSError:
+        return ""
+
+
 def descendants(pid: int) -> dict[int, str]:
     """Every live process below `pid`, with its command line (from /proc)."""
     children: dict[int, list[int]] = {}
-    commands: dict[int, str] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/stat") as f:
                 parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline") as f:
-                commands[int(entry)] = f.read().replace("\0", " ")
         except (OSError, IndexError):
             continue
         children.setdefault(parent, []).append(int(entry))
     found, todo = {}, list(children.get(pid, []))
     while todo:
         child = todo.pop()
-        found[child] = commands.get(child, "")
+        found[child] = command_line(child)
         todo += children.get(child, [])
     return found
 
@@ -66,7 +73,7 @@ def metrics(output_dir) -> list[dict]:
 class Launched:
     """A launcher process whose descendants are recorded while it runs."""
 
-    started: list["Launched"] = []
+    started: ClassVar[list["Launched"]] = []
     """every launcher of the test running: the `no_launcher_left_behind` fixture kills what is left"""
 
     def __init__(self, output_dir, *flags):
@@ -78,12 +85,16 @@ class Launched:
         Launched.started.append(self)
 
     def kill(self) -> None:
-        """SIGKILL the launcher and every descendant seen or still there."""
-        self.seen.update(descendants(self.process.pid))
-        for pid in [self.process.pid, *self.seen]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        self.process.wait()
+        """SIGKILL the launcher and every descendant seen that still runs the command it was seen with
+        (a pid the system gave to another process since is left alone)."""
+        if self.process.poll() is None:
+            self.seen.update({p: c for p, c in descendants(self.process.pid).items() if c})
+            self.process.kill()
+            self.process.wait()
+        for pid, command in self.seen.items():
+            if command and command_line(pid) == command:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
         self.log.close()
 
     def watch_until(self, condition, timeout_s=300.0) -> None:
@@ -119,9 +130,7 @@ def no_launcher_left_behind():
     tests (they would take the CPU and time them out)."""
     yield
     while Launched.started:
-        run = Launched.started.pop()
-        if run.process.poll() is None or alive(run.seen):
-            run.kill()
+        Launched.started.pop().kill()
 
 
 def success_rise(rows: list[dict]) -> tuple[float, float]:

@@ -12,6 +12,7 @@ Files in `--output-dir`: metrics.jsonl (one line per optimizer step), samples.js
 (the samples the actor wrote), servers.json (each server's /metrics at the end), logs/.
 """
 
+import contextlib
 import json
 import logging
 import multiprocessing
@@ -95,9 +96,11 @@ class Run:
     def save_server_metrics(self) -> None:
         metrics = {}
         for url in self.server_urls:
-            try:
-                # the trainer's last update may still be on its way in: counted once it serves
+            # the trainer's last update may still be on its way in: counted once it serves (a dropped or
+            # stale server never gets there: its counters as they are)
+            with contextlib.suppress(ServerError):
                 request_json("GET", f"{url}/health?wait_for_version={self.args.steps}&timeout_s=5", timeout_s=10)
+            try:
                 metrics[url] = request_json("GET", f"{url}/metrics", timeout_s=5)
             except ServerError as error:
                 metrics[url] = {"error": str(error)}

@@ -117,7 +117,7 @@ def token_logprobs(model, batch: dict, temperature: float, vocab_size: int) -> t
     completion = model(input_ids=batch["completion_ids"], attention_mask=attention, position_ids=positions, cache=cache)
     last_prompt_logits = prompt.logits[torch.arange(len(prompt.logits), device=row.device), batch["prompt_lengths"] - 1]
     logits = torch.cat([last_prompt_logits[row, None], completion.logits[:, :-1]], dim=1)[..., :vocab_size]
-    # bf16 logits are upcast for the softmax; float64 ones (the gradient test) stay float64
+    # bf16 logits are upcast for the softmax; a float64 model's stay float64
     logprobs = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, dim=-1)
     taken = logprobs.gather(2, batch["completion_ids"][..., None])[..., 0]
     entropy = -(logprobs.exp() * logprobs).sum(-1)

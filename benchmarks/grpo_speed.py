@@ -339,12 +339,18 @@ def markdown(args: Args, runs: dict[str, list[dict]], updates: list[dict], scale
     flags = f", every launch with `{' '.join(args.extra)}`" if args.extra else ""
     lines = [f"GRPO `{args.task}` preset{flags}, {args.steps} optimizer steps per run, median of {args.repeats} runs per schedule, "
              f"{machine(args.device)}.", "",
-             "| schedule | samples/s | tokens/s | mean lag (steps) | success, last 20 steps | pipeline / this (samples/s) |",
-             "|---|---|---|---|---|---|"]
+             "| schedule | samples/s | tokens/s | tokens/sample | mean lag (steps) | success, last 20 steps | "
+             "pipeline / this (samples/s) | per round |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, m in med.items():
         tokens, success = (f"{m[k]:{fmt}}" if k in m else "-" for k, fmt in (("tokens_per_s", ".0f"), ("success_last_20", ".2f")))
-        lines.append(f"| {name} | {m['samples_per_s']:.0f} | {tokens} | {m['lag_mean']:.2f} | {success} | "
-                     f"{pipeline['samples_per_s'] / m['samples_per_s']:.2f}x |")
+        # the work a sample cost (completion tokens; runs that learn different lengths do different work),
+        # and the ratio within each round of interleaved runs (a round on a slowed machine slows both)
+        per_sample = "-" if "tokens_per_s" not in m else \
+            f"{statistics.median(r['tokens_per_s'] / r['samples_per_s'] for r in runs[name]):.1f}"
+        per_round = " / ".join(f"{p['samples_per_s'] / r['samples_per_s']:.2f}" for p, r in zip(runs["pipeline"], runs[name]))
+        lines.append(f"| {name} | {m['samples_per_s']:.0f} | {tokens} | {per_sample} | {m['lag_mean']:.2f} | {success} | "
+                     f"{pipeline['samples_per_s'] / m['samples_per_s']:.2f}x | {per_round} |")
     if updates:
         lines += ["", "Weight update while the server decodes (median of the timed updates; trainer broadcast = "
                   "announce until received, server pause = decoding stopped for the swap):", "",

@@ -17,6 +17,7 @@ from conftest import redis_client, save_tiny_math_with_chat_template, with_strea
 
 from lm_human_preference_details.assets import tiny_math_prompt
 from lm_human_preference_details.grpo.server import request_json
+from lm_human_preference_details.tracking import read_metrics
 
 LAUNCH = [sys.executable, "-m", "lm_human_preference_details.grpo.launch", "--wandb-mode", "disabled"]  # --task tiny is the default
 
@@ -66,8 +67,7 @@ def metrics(output_dir) -> list[dict]:
     path = os.path.join(output_dir, "metrics.jsonl")
     if not os.path.exists(path):
         return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.endswith("\n")]
+    return read_metrics(path)  # complete lines only: the run is still writing
 
 
 class Launched:

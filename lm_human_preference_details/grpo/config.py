@@ -25,7 +25,7 @@ class GRPOArgs(RunArgs):
     """`sync` mode: optimizer steps per generation round (G)"""
     steps_ahead: int = 3
     """`pipeline` mode: the actor starts groups for at most this many optimizer steps beyond the
-    servers' weights (bounds the lag: the `tiny` preset's 4 gives a mean lag of about 2.7-2.9, or 2.1-2.2 with
+    servers' weights (bounds the lag: the `tiny` preset's 4 gives a mean lag of about 2.6-2.9, or 2.1-2.3 with
     24-token completions; 1 leaves the servers idle while the trainer steps)"""
 
     # problems and model

@@ -25,7 +25,6 @@ import dataclasses
 import json
 import os
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -132,18 +131,15 @@ def time_weight_updates(model: str, updates: int, bucket_mb: float, device: Devi
     broadcast per tensor, then `updates` more in buckets of `bucket_mb` MiB."""
     import torch
 
-    from lm_human_preference_details.grpo.server import request_json, wait_until_serving
-    from lm_human_preference_details.grpo.weights import DTYPES, WeightSender, buckets, free_port, parameter_specs
+    from lm_human_preference_details.grpo.server import ServerProcess, request_json
+    from lm_human_preference_details.grpo.weights import DTYPES, WeightSender, buckets, parameter_specs
     from lm_human_preference_details.models import load_causal_lm
 
-    port = free_port()
-    log = open(log_path, "wb")
-    server = subprocess.Popen([sys.executable, "-m", "lm_human_preference_details.grpo.server", "--model", model,
-                               "--port", str(port), "--threads", "1", "--max-batch-size", "16"],
-                              env=device_env(device), stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    with open(log_path, "wb") as log:  # the child keeps its own handle
+        started = ServerProcess(["--model", model, "--threads", "1", "--max-batch-size", "16"], log, env=device_env(device))
+    server = started.process
     try:
-        wait_until_serving(url, server)
+        url = started.wait_until_serving()
         trainer_model = load_causal_lm(model).to(device)
         server_dtype = DTYPES[request_json("GET", f"{url}/health")["dtype"]]  # bf16 on a GPU; the trainer sends it so too
         sender = WeightSender([url])
@@ -176,7 +172,6 @@ def time_weight_updates(model: str, updates: int, bucket_mb: float, device: Devi
     finally:
         server.terminate()
         server.wait(timeout=60)
-        log.close()
 
 
 def _keep_generating(url: str, stop: threading.Event) -> None:

@@ -2,6 +2,7 @@
 
 import os
 import shutil
+import socket
 import subprocess
 import tempfile
 import time
@@ -9,7 +10,6 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import pytest
 
-from lm_human_preference_details.grpo.weights import free_port  # noqa: F401 (tests import it from here)
 
 _root = tempfile.mkdtemp(prefix="lmhpd-tests-")
 os.environ.update(
@@ -70,6 +70,13 @@ def seeded():
     random.seed(0)
     np.random.seed(0)
     torch.manual_seed(0)
+
+
+def free_port() -> int:
+    """A port nothing listens on now (the OS handed it out and it was closed again)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,7 @@ SIGTERM and a killed launcher leave no process behind; a killed run resumes."""
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -61,6 +62,17 @@ def alive(pids) -> list[int]:
         except OSError:
             pass
     return living
+
+
+def serving(output_dir) -> dict[int, int]:
+    """Port and pid of each server the launcher started, from the line its log begins serving with."""
+    found = {}
+    for name in os.listdir(os.path.join(output_dir, "logs")):
+        if name.startswith("server-"):
+            with open(os.path.join(output_dir, "logs", name)) as f:
+                for port, pid in re.findall(r"serving \S+ on http://127\.0\.0\.1:(\d+) \(pid (\d+)\)", f.read()):
+                    found[int(port)] = int(pid)
+    return found
 
 
 def metrics(output_dir) -> list[dict]:
@@ -174,8 +186,8 @@ def test_a_killed_server_is_survived_the_actor_retries_elsewhere(tmp_path):
     # the kill below finds requests in flight
     run = Launched(tmp_path / "run", "--num-servers", "2", "--steps", "60", "--max-tokens", "64", "--ignore-eos")
     run.watch_until(lambda: len(metrics(run.output_dir)) >= 10)
-    servers = {int(command.split("--port ")[1].split()[0]): pid for pid, command in run.seen.items() if "grpo.server" in command}
-    assert len(servers) == 2
+    servers = serving(run.output_dir)  # port: pid
+    assert len(servers) == 2 and set(servers.values()) <= set(run.seen)
     port, pid = next(iter(servers.items()))
     # kill it while it is generating, so that requests are lost in flight
     run.watch_until(lambda: request_json("GET", f"http://127.0.0.1:{port}/health")["active"] > 0)

@@ -11,9 +11,9 @@ import urllib.request
 
 import pytest
 import torch
-from conftest import free_port, save_tiny_math_with_chat_template
+from conftest import save_tiny_math_with_chat_template
 
-from lm_human_preference_details.grpo.server import ServerError, request_json, wait_until_serving
+from lm_human_preference_details.grpo.server import ServerError, ServerProcess, request_json
 from lm_human_preference_details.grpo.weights import ParameterSpec, WeightSender, buckets, digest, flatten, parameter_specs, unflatten
 from lm_human_preference_details.models import load_causal_lm
 
@@ -24,18 +24,13 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("logs") / "server.log", "wb")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "lm_human_preference_details.grpo.server", "--model", model_dir, "--port", str(port),
-         "--threads", "1", "--max-batch-size", "8"], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    with open(tmp_path_factory.mktemp("logs") / "server.log", "wb") as log:  # the child keeps its own handle
+        server = ServerProcess(["--model", model_dir, "--threads", "1", "--max-batch-size", "8"], log)
     try:
-        wait_until_serving(url, process)
-        yield url
+        yield server.wait_until_serving()
     finally:
-        process.terminate()
-        assert process.wait(timeout=30) is not None
+        server.process.terminate()
+        assert server.process.wait(timeout=30) is not None
 
 
 def post_raw(url: str, body: bytes) -> tuple[int, dict]:
@@ -252,14 +247,16 @@ def test_health_long_polls_until_a_version_serves(server, trainer_side):
 
 TRAINER_THAT_DIES = """
 import sys
-from lm_human_preference_details.grpo.weights import WeightGroup
+from lm_human_preference_details.grpo.weights import WeightGroup, listening_store
 from lm_human_preference_details.grpo.server import request_json
-url, init_method, specs = sys.argv[1], sys.argv[2], sys.argv[3]
+url, specs = sys.argv[1], sys.argv[2]
+store = listening_store("127.0.0.1", 2)
+init_method = f"tcp://127.0.0.1:{store.port}"
 import json, threading
 joined = threading.Thread(target=request_json, args=("POST", url + "/init_process_group",
     {"init_method": init_method, "rank": 1, "world_size": 2, "backend": "gloo"}))
 joined.start()
-group = WeightGroup(init_method, 0, 2)
+group = WeightGroup(init_method, 0, 2, store=store)
 joined.join()
 request_json("POST", url + "/request_weight_update", {"version": 1, "parameters": json.loads(specs)})
 import os
@@ -267,15 +264,21 @@ os._exit(0)  # dies here, before broadcasting anything (and before a gloo teardo
 """
 
 
+def test_a_server_that_cannot_start_is_reported_not_waited_for(tmp_path):
+    with open(tmp_path / "server.log", "wb") as log:
+        server = ServerProcess(["--model", str(tmp_path / "no-such-model")], log)
+    with pytest.raises(RuntimeError, match="exited with status 1 before listening"):
+        server.wait_until_serving(timeout_s=120)
+    assert "no-such-model" in (tmp_path / "server.log").read_text()
+
+
 def test_a_server_whose_weight_transfer_breaks_says_so_instead_of_serving_stale_weights(model_dir, tmp_path):
-    port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "lm_human_preference_details.grpo.server", "--model", model_dir,
-                                "--port", str(port), "--threads", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+    server = ServerProcess(["--model", model_dir, "--threads", "1"], subprocess.DEVNULL)
+    process = server.process
     try:
-        wait_until_serving(url, process)
+        url = server.wait_until_serving()
         specs = json.dumps([s.to_json() for s in parameter_specs(load_causal_lm(model_dir))])
-        subprocess.run([sys.executable, "-c", TRAINER_THAT_DIES, url, f"tcp://127.0.0.1:{free_port()}", specs], check=True, timeout=120)
+        subprocess.run([sys.executable, "-c", TRAINER_THAT_DIES, url, specs], check=True, timeout=120)
         for _ in range(600):
             status, reply = post_raw(f"{url}/v1/completions", b'{"prompt": "1+1=", "max_tokens": 2}')
             if status == 503:

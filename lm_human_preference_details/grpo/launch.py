@@ -26,8 +26,7 @@ from lm_human_preference_details import cli
 from lm_human_preference_details.grpo import actor, streams, trainer
 from lm_human_preference_details.grpo.config import GRPOArgs, get_preset
 from lm_human_preference_details.grpo.lifetime import exit_with_parent
-from lm_human_preference_details.grpo.server import ServerError, request_json, wait_until_serving
-from lm_human_preference_details.grpo.weights import free_port
+from lm_human_preference_details.grpo.server import ServerError, ServerProcess, request_json
 
 log = logging.getLogger(__name__)
 
@@ -57,18 +56,17 @@ class Run:
         os.makedirs(self.logs, exist_ok=True)
 
     def start_servers(self, model: str, version: int) -> None:
+        started = []
         for i in range(self.args.num_servers):
-            port = free_port()
             with open(os.path.join(self.logs, f"server-{i}.log"), "ab") as log_file:  # the child keeps its own handle
-                self.servers.append(subprocess.Popen([
-                    sys.executable, "-m", "lm_human_preference_details.grpo.server", "--model", model,
-                    "--port", str(port), "--threads", str(self.args.threads), "--seed", str(self.args.seed + i),
+                started.append(ServerProcess([
+                    "--model", model, "--threads", str(self.args.threads), "--seed", str(self.args.seed + i),
                     "--max-batch-size", str(self.args.server_batch_size), "--version", str(version), "--exit-with-parent",
-                ], stdout=log_file, stderr=subprocess.STDOUT))
-            self.server_urls.append(f"http://127.0.0.1:{port}")
-        for i, (process, url) in enumerate(zip(self.servers, self.server_urls)):
+                ], log_file))
+            self.servers.append(started[-1].process)
+        for i, server in enumerate(started):  # they load their models side by side
             try:
-                wait_until_serving(url, process, SERVER_START_TIMEOUT_S)
+                self.server_urls.append(server.wait_until_serving(SERVER_START_TIMEOUT_S))
             except RuntimeError as error:
                 raise RuntimeError(f"server {i}: {error}; see {self.logs}/server-{i}.log") from None
         log.info("servers up: %s", " ".join(self.server_urls))

@@ -1,6 +1,7 @@
 """Inference server: OpenAI-style completions from the engine, plus the weight-update contract.
 
     python -m lm_human_preference_details.grpo.server --model tiny-math --port 8000
+    python -m lm_human_preference_details.grpo.server --model tiny-math --port 0 --port-file PATH  # a port the OS picks
 
 Endpoints (docs/DESIGN.md, "The GRPO pipeline contract"):
 - `POST /v1/completions` {prompt: str | [token ids] | [str] | [[token ids]], max_tokens, temperature, n,
@@ -27,6 +28,11 @@ import json
 import logging
 import os
 import queue
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -68,6 +74,37 @@ def request_json(method: str, url: str, payload: dict | None = None, timeout_s: 
         raise ServerError(f"{method} {url}: {error.code} {error.read().decode(errors='replace')}", error.code) from None
     except (urllib.error.URLError, ConnectionError, TimeoutError) as error:
         raise ServerError(f"{method} {url}: {error}") from None
+
+
+class ServerProcess:
+    """`python -m lm_human_preference_details.grpo.server FLAGS` as a child process, on a port the OS
+    picks (`--port 0`, read back through `--port-file`): a port chosen beforehand could be taken by
+    another process before the server binds it, and /health would then be answered by that one."""
+
+    def __init__(self, flags: list[str], log_file, env: dict | None = None, host: str = "127.0.0.1"):
+        self._folder = tempfile.mkdtemp(prefix="grpo-server-")
+        self._port_file = os.path.join(self._folder, "port")
+        self.host = host
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "lm_human_preference_details.grpo.server", *flags, "--host", host, "--port", "0",
+             "--port-file", self._port_file], stdout=log_file, stderr=subprocess.STDOUT, env=env)
+
+    def wait_until_serving(self, timeout_s: float = 600) -> str:
+        """The server's URL, once it answers /health; RuntimeError if it exits first or `timeout_s` passes."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not os.path.exists(self._port_file):
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"the server exited with status {self.process.returncode} before listening")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the server was not listening within {timeout_s:.0f} s")
+                time.sleep(0.05)
+            with open(self._port_file) as f:
+                url = f"http://{self.host}:{int(f.read())}"
+        finally:
+            shutil.rmtree(self._folder, ignore_errors=True)
+        wait_until_serving(url, self.process, max(0.0, deadline - time.monotonic()))
+        return url
 
 
 def wait_until_serving(url: str, process, timeout_s: float = 600) -> None:
@@ -383,7 +420,9 @@ class Args:
     host: str = "127.0.0.1"
     """address to bind: loopback unless you mean to serve other hosts"""
     port: int = 8000
-    """port to listen on"""
+    """port to listen on (0: one the OS picks; the log and `--port-file` say which)"""
+    port_file: str = ""
+    """once listening, write the port to this file (how whoever started the server learns a picked port)"""
     max_batch_size: int = 64
     """sequences decoded together; a finished one's slot is refilled from the queue"""
     seed: int = 0
@@ -426,8 +465,15 @@ def main() -> None:
     engine.version = args.version
     engine.start()
     server = InferenceServer(model, tokenizer, engine, args.model)
-    log.info("serving %s on http://%s:%d (pid %d)", args.model, args.host, args.port, os.getpid())
-    web.run_app(server.app(), host=args.host, port=args.port, print=None, access_log=None)
+    family = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)[0][0]
+    listening = socket.create_server((args.host, args.port), family=family)  # bound here: port 0 can be read back
+    port = listening.getsockname()[1]
+    if args.port_file:  # written whole, then renamed: a reader never sees half of it
+        with open(args.port_file + ".tmp", "w") as f:
+            f.write(str(port))
+        os.replace(args.port_file + ".tmp", args.port_file)
+    log.info("serving %s on http://%s:%d (pid %d)", args.model, args.host, port, os.getpid())
+    web.run_app(server.app(), sock=listening, print=None, access_log=None)
 
 
 if __name__ == "__main__":

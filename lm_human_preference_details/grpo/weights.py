@@ -18,7 +18,6 @@ import hashlib
 import logging
 import math
 import queue
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -81,14 +80,17 @@ def mismatches(expected: list[ParameterSpec], offered: list[ParameterSpec]) -> l
 class WeightGroup:
     """A process group of its own between the trainer (rank 0) and one or more servers."""
 
-    def __init__(self, init_method: str, rank: int, world_size: int, backend: str = "gloo", timeout_s: float = 300):
+    def __init__(self, init_method: str, rank: int, world_size: int, backend: str = "gloo", timeout_s: float = 300,
+                 store: dist.TCPStore | None = None):
+        """Joins the group whose rank 0 listens at `init_method` (tcp://HOST:PORT); rank 0 passes the
+        store it listens with (`listening_store`), which `init_method` names."""
         url = urlparse(init_method)
         if url.scheme != "tcp" or not url.hostname or not url.port:
             raise ValueError(f"init_method {init_method!r}: expected tcp://HOST:PORT")
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend {backend!r}: expected gloo or nccl")
         timeout = datetime.timedelta(seconds=timeout_s)
-        self.store = dist.TCPStore(url.hostname, url.port, world_size, rank == 0, timeout=timeout, wait_for_workers=False)
+        self.store = store or dist.TCPStore(url.hostname, url.port, world_size, rank == 0, timeout=timeout, wait_for_workers=False)
         prefixed = dist.PrefixStore("weights", self.store)
         if backend == "gloo":
             self.group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
@@ -167,10 +169,11 @@ class WeightSender:
     def __init__(self, server_urls: list[str], backend: str = "gloo", host: str = "127.0.0.1", timeout_s: float = 300):
         self.groups: dict[str, WeightGroup] = {}
         for url in server_urls:
-            init_method = f"tcp://{host}:{free_port(host)}"
+            store = listening_store(host, 2, timeout_s)
+            init_method = f"tcp://{host}:{store.port}"
             built: dict = {}
             # our side of the rendezvous waits for the server's: build it aside while the server is asked
-            rendezvous = threading.Thread(target=_build_group_into, args=(built, init_method, backend, timeout_s), daemon=True)
+            rendezvous = threading.Thread(target=_build_group_into, args=(built, init_method, backend, timeout_s, store), daemon=True)
             rendezvous.start()
             request_json("POST", f"{url}/init_process_group", {
                 "init_method": init_method, "rank": 1, "world_size": 2, "backend": backend}, timeout_s=timeout_s)
@@ -262,15 +265,14 @@ class WeightSender:
         return url
 
 
-def _build_group_into(built: dict, init_method: str, backend: str, timeout_s: float) -> None:
+def _build_group_into(built: dict, init_method: str, backend: str, timeout_s: float, store: dist.TCPStore) -> None:
     try:
-        built["group"] = WeightGroup(init_method, 0, 2, backend, timeout_s)
+        built["group"] = WeightGroup(init_method, 0, 2, backend, timeout_s, store)
     except RuntimeError as error:
         built["error"] = error
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on now (the OS handed it out and it was closed again)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def listening_store(host: str, world_size: int, timeout_s: float = 300) -> dist.TCPStore:
+    """Rank 0's store of a new group, listening on a port the OS picks (`.port`): a port chosen
+    beforehand could be taken by another process before the store binds it."""
+    return dist.TCPStore(host, 0, world_size, True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)

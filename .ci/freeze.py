@@ -1,0 +1,52 @@
+"""Print the installed versions of this project's dependencies, transitively, for `.ci/constraints.txt`.
+
+    python .ci/freeze.py > .ci/constraints.txt    # after the suite passed with what is installed
+
+CI installs with these pins, so a new release of a dependency cannot break main between two sessions;
+refreshing them is a deliberate commit. Only the dependency closure of the extras CI installs is
+listed (not whatever else this machine has), with local version labels dropped (torch's `+cpu`).
+"""
+
+import re
+from importlib import metadata
+
+from packaging.markers import default_environment
+from packaging.requirements import Requirement
+
+PROJECT, EXTRAS = "lm-human-preference-details", {"test", "offline", "grpo"}
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def applies(requirement: Requirement, extras: set[str]) -> bool:
+    if requirement.marker is None:
+        return True
+    return any(requirement.marker.evaluate({**default_environment(), "extra": extra}) for extra in extras | {""})
+
+
+def closure() -> dict[str, str]:
+    versions: dict[str, str] = {}
+    extras_seen: dict[str, set[str]] = {}
+    todo = [(PROJECT, EXTRAS)]
+    while todo:
+        name, extras = todo.pop()
+        try:
+            distribution = metadata.distribution(name)
+        except metadata.PackageNotFoundError:  # an optional dependency that is not installed
+            continue
+        key = canonical(distribution.metadata["Name"])
+        if key in extras_seen and extras <= extras_seen[key]:
+            continue
+        extras_seen.setdefault(key, set()).update(extras)
+        versions[key] = distribution.version.split("+")[0]
+        todo += [(r.name, set(r.extras)) for r in map(Requirement, distribution.requires or []) if applies(r, extras)]
+    versions.pop(canonical(PROJECT))
+    return versions
+
+
+if __name__ == "__main__":
+    print("# made by `python .ci/freeze.py > .ci/constraints.txt` (see that script); CI installs with these pins")
+    for name, version in sorted(closure().items()):
+        print(f"{name}=={version}")

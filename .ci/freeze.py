@@ -7,17 +7,13 @@ refreshing them is a deliberate commit. Only the dependency closure of the extra
 listed (not whatever else this machine has), with local version labels dropped (torch's `+cpu`).
 """
 
-import re
 from importlib import metadata
 
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
-PROJECT, EXTRAS = "lm-human-preference-details", {"test", "offline", "grpo"}
-
-
-def canonical(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
+PROJECT, EXTRAS = "lm-human-preference-details", {"test", "offline", "grpo"}  # as .ci/run installs it
 
 
 def applies(requirement: Requirement, extras: set[str]) -> bool:
@@ -32,17 +28,14 @@ def closure() -> dict[str, str]:
     todo = [(PROJECT, EXTRAS)]
     while todo:
         name, extras = todo.pop()
-        try:
-            distribution = metadata.distribution(name)
-        except metadata.PackageNotFoundError:  # an optional dependency that is not installed
-            continue
-        key = canonical(distribution.metadata["Name"])
+        distribution = metadata.distribution(name)  # not installed: this environment is not CI's
+        key = canonicalize_name(distribution.metadata["Name"])
         if key in extras_seen and extras <= extras_seen[key]:
             continue
         extras_seen.setdefault(key, set()).update(extras)
         versions[key] = distribution.version.split("+")[0]
         todo += [(r.name, set(r.extras)) for r in map(Requirement, distribution.requires or []) if applies(r, extras)]
-    versions.pop(canonical(PROJECT))
+    versions.pop(canonicalize_name(PROJECT))
     return versions
 
 

@@ -136,10 +136,10 @@ def time_weight_updates(model: str, updates: int, bucket_mb: float, device: Devi
     from lm_human_preference_details.models import load_causal_lm
 
     with open(log_path, "wb") as log:  # the child keeps its own handle
-        started = ServerProcess(["--model", model, "--threads", "1", "--max-batch-size", "16"], log, env=device_env(device))
-    server = started.process
+        server_process = ServerProcess(["--model", model, "--threads", "1", "--max-batch-size", "16"], log, env=device_env(device))
+    server = server_process.process
     try:
-        url = started.wait_until_serving()
+        url = server_process.wait_until_serving()
         trainer_model = load_causal_lm(model).to(device)
         server_dtype = DTYPES[request_json("GET", f"{url}/health")["dtype"]]  # bf16 on a GPU; the trainer sends it so too
         sender = WeightSender([url])

@@ -10,7 +10,6 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import pytest
 
-
 _root = tempfile.mkdtemp(prefix="lmhpd-tests-")
 os.environ.update(
     HF_HUB_OFFLINE="1",
@@ -99,7 +98,8 @@ def redis_url(tmp_path_factory):
     try:
         for _ in range(500):
             try:
-                client.ping()
+                # ours, not another redis-server that had the port: ours exits when it cannot bind
+                assert client.info("server")["process_id"] == server.pid, f"port {port} is another Redis's"
                 break
             except redis.ConnectionError:
                 assert server.poll() is None, "redis-server exited at start"

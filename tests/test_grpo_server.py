@@ -230,6 +230,18 @@ def test_server_binds_loopback_by_default():
     assert Args().host == "127.0.0.1"
 
 
+def test_rank_0_and_only_rank_0_brings_the_store_it_listens_with():
+    from lm_human_preference_details.grpo.weights import WeightGroup, listening_store
+
+    store = listening_store("127.0.0.1", 2, timeout_s=5)
+    with pytest.raises(ValueError, match="only rank 0"):
+        WeightGroup("tcp://127.0.0.1:1", 0, 2)  # would bind a port chosen beforehand
+    with pytest.raises(ValueError, match="only rank 0"):
+        WeightGroup(f"tcp://127.0.0.1:{store.port}", 1, 2, store=store)
+    with pytest.raises(ValueError, match="only rank 0"):
+        WeightGroup("tcp://127.0.0.1:1", 0, 2, store=store)  # names another port than it listens on
+
+
 def test_health_long_polls_until_a_version_serves(server, trainer_side):
     model, sender = trainer_side
     version = request_json("GET", f"{server}/health")["model_version"]
@@ -267,9 +279,13 @@ os._exit(0)  # dies here, before broadcasting anything (and before a gloo teardo
 def test_a_server_that_cannot_start_is_reported_not_waited_for(tmp_path):
     with open(tmp_path / "server.log", "wb") as log:
         server = ServerProcess(["--model", str(tmp_path / "no-such-model")], log)
-    with pytest.raises(RuntimeError, match="exited with status 1 before listening"):
-        server.wait_until_serving(timeout_s=120)
-    assert "no-such-model" in (tmp_path / "server.log").read_text()
+    try:
+        with pytest.raises(RuntimeError, match="exited with status 1 before listening"):
+            server.wait_until_serving(timeout_s=120)
+        assert "no-such-model" in (tmp_path / "server.log").read_text()
+    finally:
+        server.process.kill()
+        server.process.wait()
 
 
 def test_a_server_whose_weight_transfer_breaks_says_so_instead_of_serving_stale_weights(model_dir, tmp_path):

@@ -64,9 +64,9 @@ class Run:
                     "--max-batch-size", str(self.args.server_batch_size), "--version", str(version), "--exit-with-parent",
                 ], log_file))
             self.servers.append(started[-1].process)
-        for i, server in enumerate(started):  # they load their models side by side
+        for i, server_process in enumerate(started):  # they load their models side by side
             try:
-                self.server_urls.append(server.wait_until_serving(SERVER_START_TIMEOUT_S))
+                self.server_urls.append(server_process.wait_until_serving(SERVER_START_TIMEOUT_S))
             except RuntimeError as error:
                 raise RuntimeError(f"server {i}: {error}; see {self.logs}/server-{i}.log") from None
         log.info("servers up: %s", " ".join(self.server_urls))

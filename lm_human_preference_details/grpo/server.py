@@ -38,6 +38,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+import weakref
 from dataclasses import dataclass
 from typing import Literal
 
@@ -77,50 +78,41 @@ def request_json(method: str, url: str, payload: dict | None = None, timeout_s: 
 
 
 class ServerProcess:
-    """`python -m lm_human_preference_details.grpo.server FLAGS` as a child process, on a port the OS
-    picks (`--port 0`, read back through `--port-file`): a port chosen beforehand could be taken by
-    another process before the server binds it, and /health would then be answered by that one."""
+    """`python -m lm_human_preference_details.grpo.server FLAGS` as a child process on 127.0.0.1, on a
+    port the OS picks (`--port 0`, read back through `--port-file`): a port chosen beforehand could be
+    taken by another process before the server binds it, and /health would then be answered by that one."""
 
-    def __init__(self, flags: list[str], log_file, env: dict | None = None, host: str = "127.0.0.1"):
-        self._folder = tempfile.mkdtemp(prefix="grpo-server-")
-        self._port_file = os.path.join(self._folder, "port")
-        self.host = host
+    def __init__(self, flags: list[str], log_file, env: dict | None = None):
+        folder = tempfile.mkdtemp(prefix="grpo-server-")
+        self._port_file = os.path.join(folder, "port")
+        self._remove_folder = weakref.finalize(self, shutil.rmtree, folder, ignore_errors=True)  # also if never waited for
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "lm_human_preference_details.grpo.server", *flags, "--host", host, "--port", "0",
+            [sys.executable, "-m", "lm_human_preference_details.grpo.server", *flags, "--host", "127.0.0.1", "--port", "0",
              "--port-file", self._port_file], stdout=log_file, stderr=subprocess.STDOUT, env=env)
 
     def wait_until_serving(self, timeout_s: float = 600) -> str:
-        """The server's URL, once it answers /health; RuntimeError if it exits first or `timeout_s` passes."""
+        """The server's URL, once it answers /health; RuntimeError if it exits first or `timeout_s` passes
+        (loading a model can take minutes)."""
         deadline = time.monotonic() + timeout_s
-        try:
-            while not os.path.exists(self._port_file):
-                if self.process.poll() is not None:
-                    raise RuntimeError(f"the server exited with status {self.process.returncode} before listening")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the server was not listening within {timeout_s:.0f} s")
-                time.sleep(0.05)
-            with open(self._port_file) as f:
-                url = f"http://{self.host}:{int(f.read())}"
-        finally:
-            shutil.rmtree(self._folder, ignore_errors=True)
-        wait_until_serving(url, self.process, max(0.0, deadline - time.monotonic()))
-        return url
-
-
-def wait_until_serving(url: str, process, timeout_s: float = 600) -> None:
-    """Until the server at `url` answers /health; RuntimeError if its `process` (a Popen) exits first
-    or `timeout_s` passes (loading a model can take minutes)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server for {url} exited with status {process.returncode}")
-        try:
-            request_json("GET", f"{url}/health", timeout_s=2)
-            return
-        except ServerError:
+        while not os.path.exists(self._port_file):
+            if self.process.poll() is not None and not os.path.exists(self._port_file):
+                raise RuntimeError(f"the server exited with status {self.process.returncode} before listening")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the server for {url} did not answer within {timeout_s:.0f} s") from None
-            time.sleep(0.1)
+                raise RuntimeError(f"the server was not listening within {timeout_s:.0f} s")
+            time.sleep(0.05)
+        with open(self._port_file) as f:
+            url = f"http://127.0.0.1:{int(f.read())}"
+        self._remove_folder()
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server at {url} exited with status {self.process.returncode}")
+            try:
+                request_json("GET", f"{url}/health", timeout_s=2)
+                return url
+            except ServerError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the server at {url} did not answer within {timeout_s:.0f} s") from None
+                time.sleep(0.1)
 
 
 class BadRequest(ValueError):
@@ -418,7 +410,8 @@ class Args:
     model: str = "tiny-math"
     """model name or folder (`tiny-math`, `smollm2-135m`, a hub name or a save_pretrained folder)"""
     host: str = "127.0.0.1"
-    """address to bind: loopback unless you mean to serve other hosts"""
+    """address to bind (one address; a name binds the first it resolves to): loopback unless you mean to
+    serve other hosts (0.0.0.0)"""
     port: int = 8000
     """port to listen on (0: one the OS picks; the log and `--port-file` say which)"""
     port_file: str = ""
@@ -472,7 +465,8 @@ def main() -> None:
         with open(args.port_file + ".tmp", "w") as f:
             f.write(str(port))
         os.replace(args.port_file + ".tmp", args.port_file)
-    log.info("serving %s on http://%s:%d (pid %d)", args.model, args.host, port, os.getpid())
+    host = f"[{args.host}]" if ":" in args.host else args.host  # an IPv6 address goes in brackets in a URL
+    log.info("serving %s on http://%s:%d (pid %d)", args.model, host, port, os.getpid())
     web.run_app(server.app(), sock=listening, print=None, access_log=None)
 
 

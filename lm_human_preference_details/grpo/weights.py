@@ -83,14 +83,16 @@ class WeightGroup:
     def __init__(self, init_method: str, rank: int, world_size: int, backend: str = "gloo", timeout_s: float = 300,
                  store: dist.TCPStore | None = None):
         """Joins the group whose rank 0 listens at `init_method` (tcp://HOST:PORT); rank 0 passes the
-        store it listens with (`listening_store`), which `init_method` names."""
+        store it listens with (`listening_store`), whose port `init_method` names."""
         url = urlparse(init_method)
         if url.scheme != "tcp" or not url.hostname or not url.port:
             raise ValueError(f"init_method {init_method!r}: expected tcp://HOST:PORT")
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend {backend!r}: expected gloo or nccl")
+        if (rank == 0) != (store is not None) or store is not None and store.port != url.port:
+            raise ValueError(f"rank {rank}: rank 0, and only rank 0, passes the listening_store at {init_method}")
         timeout = datetime.timedelta(seconds=timeout_s)
-        self.store = store or dist.TCPStore(url.hostname, url.port, world_size, rank == 0, timeout=timeout, wait_for_workers=False)
+        self.store = store if store is not None else dist.TCPStore(url.hostname, url.port, world_size, False, timeout=timeout)
         prefixed = dist.PrefixStore("weights", self.store)
         if backend == "gloo":
             self.group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)

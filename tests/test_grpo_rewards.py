@@ -269,7 +269,8 @@ def test_hub_failures_are_user_errors(monkeypatch):
         load_problems("math500")
 
 
-@pytest.mark.parametrize("boxed, answer", [("7", "7"), ("007", "7"), ("-3", "-3"), ("-0", "0"), ("12", "21"), ("7", "-7"), (" 42 ", "42")])
+@pytest.mark.parametrize("boxed, answer", [("7", "7"), ("007", "7"), ("-3", "-3"), ("-0", "0"), ("12", "21"), ("7", "-7"), (" 42 ", "42"),
+                                            ("+2", "2"), ("+0", "0"), ("+3", "2"), ("7", "+7")])
 def test_the_integer_shortcut_agrees_with_math_verify(boxed, answer):
     """integer_reward skips sympy for plain integers; it must say what math_verify says."""
     import math_verify

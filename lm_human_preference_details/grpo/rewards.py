@@ -34,7 +34,7 @@ FORMATS = "GSM8K, MATH-500, Open-Reasoner-Zero or prompt/answer records"
 
 _BOX_START = re.compile(r"\\(?:boxed|fbox)\{")
 _OPERATORS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
-INTEGER = re.compile(r"-?[0-9]+")
+INTEGER = re.compile(r"[-+]?[0-9]+")
 
 
 @dataclass(frozen=True)
@@ -109,8 +109,9 @@ def math_rewards(completions: list[str], answer: str) -> list[float]:
 
 def integer_reward(completion: str, answer: str) -> float | None:
     """`math_reward` without math_verify where that is certain: no box (0.0), or a box and an answer
-    that are both plain integers (compared as integers, as math_verify would, without 0.5 ms of sympy
-    and without a process to bound it). None when math_verify must decide."""
+    that are both plain integers, signed or not (compared as integers, as math_verify would, without
+    milliseconds of sympy in the verifier process: a policy that boxes `+2` would otherwise send every
+    such group there). None when math_verify must decide."""
     boxed = last_boxed(completion)
     if boxed is None:
         return 0.0

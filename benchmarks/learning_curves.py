@@ -11,6 +11,7 @@ Flags after `--` go to the stage script unchanged. Writes `<out-dir>/seed_<s>/` 
 
 import csv
 import os
+import textwrap
 import subprocess
 import sys
 from collections import defaultdict
@@ -92,17 +93,16 @@ def plot(rows: list[dict], metric: str, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    fig, ax = plt.subplots(figsize=(5.5, 3.6), layout="constrained")
     for source in sorted({r["source"] for r in rows}):
         steps, means, stds = mean_std_by_step([r for r in rows if r["source"] == source])
         seeds = len({r["seed"] for r in rows if r["source"] == source})
-        ax.plot(steps, means, label=f"{source} ({seeds} seeds)")
+        ax.plot(steps, means, label=textwrap.fill(f"{source} ({seeds} seeds)", 60))  # long flags would squeeze the axes away
         ax.fill_between(steps, [m - s for m, s in zip(means, stds)], [m + s for m, s in zip(means, stds)], alpha=0.25)
     ax.set_title(metric)
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

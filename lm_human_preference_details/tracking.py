@@ -119,7 +119,7 @@ def plot_curves(metrics_path: str, panels: dict[str, list[str]], png_path: str, 
     import matplotlib.pyplot as plt
 
     records = read_metrics(metrics_path)
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False, layout="constrained")
     for ax, (panel, names) in zip(axes[0], panels.items()):
         for name in names:
             points = [(r["step"], r[name]) for r in records if name in r]
@@ -130,6 +130,5 @@ def plot_curves(metrics_path: str, panels: dict[str, list[str]], png_path: str, 
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout()
     fig.savefig(png_path, dpi=110)
     plt.close(fig)

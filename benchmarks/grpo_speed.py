@@ -18,6 +18,9 @@ completions (a prefill, then one cached forward per token for the whole batch), 
 forward and backward with the run's loss, one optimizer step (`raw_step_times`). With `--trl-python`
 (an environment with trl==1.16.0) a row for TRL's GRPOTrainer (no vLLM) at the same settings joins
 the table. For both, samples/s = batch size / median seconds per optimizer step.
+Threads: every schedule runs with the launcher's default (`--threads 0`: in `pipeline` mode the servers
+and the trainer share the cores, in `sync` mode each gets all of them, since they take turns); the raw
+and TRL rows, one process each, use torch's default (every core).
 `--device cuda` runs every process on the GPU (benchmarks/gpu.sh); `cpu`, the default, hides any GPU.
 """
 
@@ -216,7 +219,6 @@ def raw_step_times(args: Args) -> list[float]:
 
     settings = run_settings(args)
     torch.manual_seed(settings.seed)
-    torch.set_num_threads(settings.threads)
     device = torch.device(args.device)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(settings.model))
     vocab, eos = len(tokenizer), tokenizer.eos_token_id

@@ -274,7 +274,18 @@ def test_chat_prompts_go_one_request_per_problem_through_the_chat_template(tmp_p
     (["--task", "nope"], "error: --task 'nope' is unknown; choose one of tiny, arith"),
     (["--resume"], "error: --resume: no checkpoint in"),
     (["--weight-backend", "nccl"], "error: --weight-backend nccl: the servers this launcher starts share the trainer's GPU"),
+    (["--threads", "-1"], "error: --threads must be >= 0, got -1"),
 ])
 def test_bad_arguments_are_one_line_errors(tmp_path, flags, message):
     result = subprocess.run(LAUNCH + ["--output-dir", str(tmp_path / "run"), *flags], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith(message), result.stderr
+
+
+def test_threads_default_to_the_cores_shared_by_the_processes_that_compute_at_once():
+    from lm_human_preference_details.grpo.config import GRPOArgs
+
+    cores = len(os.sched_getaffinity(0))
+    assert GRPOArgs(mode="sync").torch_threads() == cores  # server and trainer take turns
+    assert GRPOArgs(mode="pipeline", num_servers=1).torch_threads() == max(1, cores // 2)  # side by side
+    assert GRPOArgs(mode="pipeline", num_servers=3).torch_threads() == max(1, cores // 4)
+    assert GRPOArgs(mode="sync", threads=3).torch_threads() == 3

@@ -73,10 +73,10 @@ trl116=${LMHPD_TRL116_PYTHON:+--trl-python $LMHPD_TRL116_PYTHON}
 if [ "${SMOKE:-0}" = 1 ]; then
     ppo=(--batch-size 8 --query-length 16 --response-length 8 --epochs 1 --warmup 1 --updates 1 --repeats 1
          --scaling --scaling-batches 8 --scaling-lengths 8)
-    grpo=(--steps 6 --repeats 1 --sync-steps 4 --updates 2 --no-per-tensor-row --no-raw-row -- --max-tokens 4)
+    grpo=(--steps 6 --repeats 1 --sync-steps 4 --updates 2 --no-per-tensor-row --no-raw-row --no-one-thread-row -- --max-tokens 4)
 else  # one process per row (a GPU run varies less than the 2-core CPU's)
     ppo=(--updates 10 --repeats 1 --scaling)
-    grpo=(--steps 100 --repeats 1 --no-per-tensor-row -- --max-tokens 24 --ignore-eos)
+    grpo=(--steps 100 --repeats 1 --no-per-tensor-row --no-one-thread-row -- --max-tokens 24 --ignore-eos)
 fi
 status=0
 run_table() {  # NAME SECONDS COMMAND...: one table under its own time limit; on failure, its logs' last lines

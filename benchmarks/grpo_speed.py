@@ -59,6 +59,9 @@ class Args:
     """the weight update is timed one broadcast per tensor and with buckets of this many MiB"""
     per_tensor_row: bool = True
     """when the preset sends its updates in buckets, also run the pipeline with one broadcast per tensor"""
+    one_thread_row: bool = True
+    """also run the first sync schedule with one torch thread per process (the default before a2ae5e3,
+    which leaves a core idle in each of its phases): what sync mode's threads are worth"""
     out_dir: str = "runs/grpo_speed"
     """runs, results.json and results.md go here"""
     extra: tyro.conf.Suppress[list[str]] = field(default_factory=list)
@@ -92,7 +95,10 @@ def schedules(args: Args) -> list[tuple[str, list[str]]]:
     pipeline = [("pipeline", ["--mode", "pipeline"])]
     if args.per_tensor_row and run_settings(args).update_bucket_mb:
         pipeline.append(("pipeline, per-tensor updates", ["--mode", "pipeline", "--update-bucket-mb", "0"]))
-    return pipeline + [(f"sync G={g}", ["--mode", "sync", "--sync-steps", str(g)]) for g in args.sync_steps]
+    sync = [(f"sync G={g}", ["--mode", "sync", "--sync-steps", str(g)]) for g in args.sync_steps]
+    if args.one_thread_row:
+        sync.append((f"sync G={args.sync_steps[0]}, one thread per process", [*sync[0][1], "--threads", "1"]))
+    return pipeline + sync
 
 
 def run_schedule(args: Args, name: str, flags: list[str], repeat: int) -> dict:

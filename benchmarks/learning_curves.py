@@ -11,9 +11,9 @@ Flags after `--` go to the stage script unchanged. Writes `<out-dir>/seed_<s>/` 
 
 import csv
 import os
-import textwrap
 import subprocess
 import sys
+import textwrap
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Literal

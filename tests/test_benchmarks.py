@@ -54,7 +54,8 @@ def test_grpo_speed_runs_both_schedules_times_an_update_and_trl(tmp_path):
                                     "--updates", "2", "--out-dir", str(out), "--scaling", "--scaling-batches", "16",
                                     "--scaling-tokens", "3", "--scaling-steps", "5", *trl_flags, "--", "--max-tokens", "4"])
     results = json.loads((out / "results.json").read_text())
-    assert set(results["runs"]) == {"pipeline", "pipeline, per-tensor updates", "sync G=4", "raw compute (one process)"} | (
+    assert set(results["runs"]) == {"pipeline", "pipeline, per-tensor updates", "sync G=4", "sync G=4, one thread per process",
+                                    "raw compute (one process)"} | (
         {"trl GRPOTrainer"} if trl_python else set())
     for name, (run,) in results["runs"].items():
         assert run["samples_per_s"] > 0 and ("tokens_per_s" not in run or 0 < run["tokens_per_s"] <= 4 * run["samples_per_s"])

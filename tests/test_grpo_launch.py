@@ -285,7 +285,8 @@ def test_threads_default_to_the_cores_shared_by_the_processes_that_compute_at_on
     from lm_human_preference_details.grpo.config import GRPOArgs
 
     cores = len(os.sched_getaffinity(0))
-    assert GRPOArgs(mode="sync").torch_threads() == cores  # server and trainer take turns
-    assert GRPOArgs(mode="pipeline", num_servers=1).torch_threads() == max(1, cores // 2)  # side by side
-    assert GRPOArgs(mode="pipeline", num_servers=3).torch_threads() == max(1, cores // 4)
-    assert GRPOArgs(mode="sync", threads=3).torch_threads() == 3
+    sync, pipeline = GRPOArgs(mode="sync", num_servers=2), GRPOArgs(mode="pipeline", num_servers=3)
+    assert sync.torch_threads("trainer") == cores and sync.torch_threads("server") == max(1, cores // 2)  # they take turns
+    assert pipeline.torch_threads("trainer") == pipeline.torch_threads("server") == max(1, cores // 4)  # side by side
+    assert GRPOArgs(mode="pipeline", servers=["http://a:1", "http://b:1", "http://c:1"]).torch_threads("trainer") == max(1, cores // 4)
+    assert GRPOArgs(mode="sync", threads=3).torch_threads("server") == 3

@@ -1,6 +1,7 @@
 """The arguments of a GRPO run (shared by launch, trainer and actor) and its `--task` presets."""
 
 import copy
+import os
 import random
 from dataclasses import dataclass, field
 from typing import Literal
@@ -121,28 +122,28 @@ class GRPOArgs(RunArgs):
     """address at which the servers reach the trainer for the weight broadcast"""
     threads: int = 0
     """torch CPU threads per process (server, trainer); 0: the cores shared among the processes that compute
-    at once. `pipeline`: the servers and the trainer run side by side, cores // (num_servers + 1) each (more
+    at once. `pipeline`: the servers and the trainer run side by side, cores // (servers + 1) each (more
     oversubscribes: 2 threads each on 2 cores made the `tiny` preset 3-6x slower). `sync`: they take turns,
-    so each gets every core (on 2 cores, 1.2x faster than 1 thread each)"""
+    so the trainer gets every core and the servers share them. Servers given with `--servers` count as on
+    this machine; pass `--threads` when they are not"""
     request_timeout_s: float = 300.0
     """a completion request taking longer is retried on another server"""
 
     def stream_url(self) -> str:
-        import os
-
         return self.stream or os.path.join(self.output_dir, "stream.jsonl")
 
     def groups_per_step(self) -> int:
         return self.batch_size // self.group_size
 
-    def torch_threads(self) -> int:
-        """`threads`, or when 0 the share of the cores that this mode gives each server and the trainer."""
-        import os
-
+    def torch_threads(self, role: Literal["server", "trainer"]) -> int:
+        """`threads`, or when 0 the share of the cores that this mode gives each server or the trainer."""
         if self.threads:
             return self.threads
-        cores = len(os.sched_getaffinity(0))
-        return cores if self.mode == "sync" else max(1, cores // (self.num_servers + 1))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        servers = len(self.servers) or self.num_servers
+        if self.mode == "pipeline":
+            return max(1, cores // (servers + 1))
+        return cores if role == "trainer" else max(1, cores // servers)
 
     def check(self) -> None:
         """Sizes that must fit together; a UserError names the field and the fix."""

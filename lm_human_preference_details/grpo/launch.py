@@ -60,7 +60,7 @@ class Run:
         for i in range(self.args.num_servers):
             with open(os.path.join(self.logs, f"server-{i}.log"), "ab") as log_file:  # the child keeps its own handle
                 started.append(ServerProcess([
-                    "--model", model, "--threads", str(self.args.torch_threads()), "--seed", str(self.args.seed + i),
+                    "--model", model, "--threads", str(self.args.torch_threads("server")), "--seed", str(self.args.seed + i),
                     "--max-batch-size", str(self.args.server_batch_size), "--version", str(version), "--exit-with-parent",
                 ], log_file))
             self.servers.append(started[-1].process)

@@ -423,7 +423,7 @@ class Args:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """`auto`: CUDA when there is a GPU"""
     threads: int = 0
-    """torch CPU threads (0: torch's default)"""
+    """torch CPU threads (0: torch's default, every core; grpo.launch passes each server its share)"""
     version: int = 0
     """weight version of the loaded model (a resumed run's checkpoint is at its step)"""
     exit_with_parent: bool = False

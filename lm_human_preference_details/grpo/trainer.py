@@ -131,7 +131,7 @@ def flatten_groups(groups: list[dict]) -> list[dict]:
 
 def train(args: GRPOArgs, server_urls: list[str]) -> None:
     torch.manual_seed(args.seed)
-    torch.set_num_threads(args.torch_threads())
+    torch.set_num_threads(args.torch_threads("trainer"))
     from transformers import AutoTokenizer
 
     from lm_human_preference_details.assets import resolve_model_path

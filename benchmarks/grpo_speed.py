@@ -19,8 +19,8 @@ forward and backward with the run's loss, one optimizer step (`raw_step_times`).
 (an environment with trl==1.16.0) a row for TRL's GRPOTrainer (no vLLM) at the same settings joins
 the table. For both, samples/s = batch size / median seconds per optimizer step.
 Threads: every schedule runs with the launcher's default (`--threads 0`: in `pipeline` mode the servers
-and the trainer share the cores, in `sync` mode each gets all of them, since they take turns); the raw
-and TRL rows, one process each, use torch's default (every core).
+and the trainer share the cores; in `sync` mode they take turns, so the trainer gets every core and the
+servers share them); the raw and TRL rows, one process each, use torch's default (every core).
 `--device cuda` runs every process on the GPU (benchmarks/gpu.sh); `cpu`, the default, hides any GPU.
 """
 

@@ -4,6 +4,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from urllib.parse import parse_qsl, urlencode, urlsplit
@@ -24,6 +25,11 @@ os.environ.update(
     TOKENIZERS_PARALLELISM="false",
 )
 os.environ.pop("WANDB_API_KEY", None)
+
+
+# `accelerate launch` of two processes as a user runs it on a machine without a GPU: they train on the CPU over gloo
+ACCELERATE_2 = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no")
 
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}"

@@ -10,7 +10,9 @@ from safetensors.torch import save_file
 
 from lm_human_preference_details import cli, train_policy
 
-if __name__ == "__main__":
+
+@cli.main_with_user_errors  # as the stage's own entry point: the process group ends before the interpreter does
+def main() -> None:
     out = sys.argv[1]
     args = cli.parse(train_policy.Args, train_policy.defaults_for_task, default_task="tiny", argv=sys.argv[2:])
     accelerator = cli.make_accelerator()
@@ -18,3 +20,7 @@ if __name__ == "__main__":
     state = {k: v.detach().clone() for k, v in policy.state_dict().items()}  # clone: tied weights share memory
     state["kl_coef"] = torch.tensor(kl_ctl.value, dtype=torch.float64)
     save_file(state, f"{out}/rank{accelerator.process_index}.safetensors")
+
+
+if __name__ == "__main__":
+    main()

@@ -8,14 +8,13 @@ import time
 
 import pytest
 import torch
+from conftest import ACCELERATE_2
 from safetensors.torch import load_file
 
 from lm_human_preference_details import train_policy
 from lm_human_preference_details.models import PolicyAndValue, load_causal_lm
 from lm_human_preference_details.tracking import read_metrics
 
-ACCELERATE_2 = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no")
 QUIET = ("--wandb-mode", "disabled")
 
 

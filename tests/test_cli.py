@@ -1,0 +1,39 @@
+"""The shared command-line mechanics, in the processes a user's `accelerate launch` starts."""
+
+import json
+import os
+import subprocess
+
+import pytest
+from conftest import ACCELERATE_2
+
+# one DDP step through the stage scripts' own accelerator and entry-point wrapper, then the native threads left
+DDP_STEP_THEN_LIST_THREADS = """
+import json, os, torch
+from lm_human_preference_details import cli
+
+@cli.main_with_user_errors
+def main():
+    accelerator = cli.make_accelerator()
+    model = torch.nn.Linear(4, 4)
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    accelerator.backward(model(torch.ones(2, 4)).sum())
+    optimizer.step()
+
+main()
+threads = [open(f"/proc/self/task/{task}/comm").read().strip() for task in os.listdir("/proc/self/task")]
+print(json.dumps(threads))
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="lists native threads through Linux's /proc")
+def test_a_finished_two_process_run_leaves_no_gloo_thread_to_the_interpreter_teardown(tmp_path):
+    """gloo threads alive in the teardown can abort a finished run (SIGABRT) once in many runs; none may be left."""
+    script = tmp_path / "ddp_step.py"
+    script.write_text(DDP_STEP_THEN_LIST_THREADS)
+    result = subprocess.run([*ACCELERATE_2, str(script)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-5000:]
+    per_rank = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("[")]
+    assert len(per_rank) == 2, result.stdout
+    for threads in per_rank:
+        assert not [name for name in threads if "gloo" in name], threads

@@ -27,11 +27,6 @@ os.environ.update(
 os.environ.pop("WANDB_API_KEY", None)
 
 
-# `accelerate launch` of two processes as a user runs it on a machine without a GPU: they train on the CPU over gloo
-ACCELERATE_2 = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no")
-
-
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}"
 
 
@@ -82,6 +77,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def accelerate_two_processes() -> tuple[str, ...]:
+    """`accelerate launch` of two processes as a user runs it without a GPU (they train on the CPU over gloo).
+
+    On a free port: a run of the user's own on accelerate's default port (29500) would take the rendezvous.
+    """
+    return (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+            "--main_process_port", str(free_port()), "--mixed_precision", "no", "--dynamo_backend", "no")
 
 
 @pytest.fixture(scope="session")

@@ -5,11 +5,11 @@ import os
 import subprocess
 
 import pytest
-from conftest import ACCELERATE_2
+from conftest import accelerate_two_processes
 
 # one DDP step through the stage scripts' own accelerator and entry-point wrapper, then the native threads left
 DDP_STEP_THEN_LIST_THREADS = """
-import json, os, torch
+import json, os, sys, torch
 from lm_human_preference_details import cli
 
 @cli.main_with_user_errors
@@ -22,7 +22,8 @@ def main():
 
 main()
 threads = [open(f"/proc/self/task/{task}/comm").read().strip() for task in os.listdir("/proc/self/task")]
-print(json.dumps(threads))
+with open(os.path.join(sys.argv[1], f"threads{os.environ['RANK']}.json"), "w") as f:
+    json.dump(threads, f)
 """
 
 
@@ -31,9 +32,8 @@ def test_a_finished_two_process_run_leaves_no_gloo_thread_to_the_interpreter_tea
     """gloo threads alive in the teardown can abort a finished run (SIGABRT) once in many runs; none may be left."""
     script = tmp_path / "ddp_step.py"
     script.write_text(DDP_STEP_THEN_LIST_THREADS)
-    result = subprocess.run([*ACCELERATE_2, str(script)], capture_output=True, text=True, timeout=300)
+    result = subprocess.run([*accelerate_two_processes(), str(script), str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-5000:]
-    per_rank = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("[")]
-    assert len(per_rank) == 2, result.stdout
-    for threads in per_rank:
-        assert not [name for name in threads if "gloo" in name], threads
+    for rank in (0, 1):
+        threads = json.loads((tmp_path / f"threads{rank}.json").read_text())
+        assert not [name for name in threads if "gloo" in name], (rank, threads)

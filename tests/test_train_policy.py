@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from conftest import ACCELERATE_2
+from conftest import accelerate_two_processes
 from safetensors.torch import load_file
 
 from lm_human_preference_details import train_policy
@@ -60,7 +60,7 @@ def test_tiny_preset_end_to_end_score_rises_and_kl_tracks_target(tmp_path):
 @pytest.mark.slow
 def test_two_processes_keep_weights_and_kl_coef_identical(tmp_path, tiny_reward_model):
     script = os.path.join(os.path.dirname(__file__), "policy_on_ranks.py")
-    run([*ACCELERATE_2, script, str(tmp_path), "--task", "tiny", "--rewards.trained-model", tiny_reward_model,
+    run([*accelerate_two_processes(), script, str(tmp_path), "--task", "tiny", "--rewards.trained-model", tiny_reward_model,
          "--ppo.total-episodes", str(64 * 4), "--output-dir", str(tmp_path / "run"), *QUIET])
     rank0, rank1 = load_file(tmp_path / "rank0.safetensors"), load_file(tmp_path / "rank1.safetensors")
     initial_kl_coef = train_policy.defaults_for_task("tiny").rewards.kl_coef

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ACCELERATE_2
+from conftest import accelerate_two_processes
 
 from lm_human_preference_details import train_reward
 from lm_human_preference_details.data import QuerySampler
@@ -70,7 +70,7 @@ def test_two_processes_over_gloo(tmp_path):
     out = tmp_path / "ddp"
     result = run_stage("--task", "tiny", "--output-dir", str(out), "--wandb-mode", "disabled",
                        "--labels.num-train", "512", "--labels.num-test", "128", "--normalize-samples", "128",
-                       launcher=(*ACCELERATE_2, "-m"))
+                       launcher=(*accelerate_two_processes(), "-m"))
     # the launcher's own traceback of a failed rank takes the last 3000 characters; the rank's words are before it
     assert result.returncode == 0, result.stderr[-10000:]
     metrics = read_metrics(out / "metrics.jsonl")

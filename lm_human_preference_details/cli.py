@@ -64,8 +64,8 @@ def make_accelerator():
     # torch.distributed.nn binds the default process group as a default argument of its functions when it is
     # first imported, and DDP imports it: imported after the group exists, it keeps the group alive past
     # destroy_process_group, and gloo's threads then die in the interpreter's teardown (SIGABRT, "terminate
-    # called without an active exception", in 3 of 240 two-process runs on a loaded machine). Imported before
-    # the group exists, it binds None.
+    # called without an active exception", 3 times in some 340 two-process runs on a loaded machine). Imported
+    # before the group exists, it binds None.
     import torch.distributed.nn  # noqa: F401
     from accelerate import Accelerator
 

@@ -140,7 +140,7 @@ def time_weight_updates(model: str, updates: int, bucket_mb: float, device: Devi
     broadcast per tensor, then `updates` more in buckets of `bucket_mb` MiB."""
     import torch
 
-    from lm_human_preference_details.grpo.server import ServerProcess, request_json
+    from lm_human_preference_details.grpo.client import ServerProcess, request_json
     from lm_human_preference_details.grpo.weights import DTYPES, WeightSender, buckets, parameter_specs
     from lm_human_preference_details.models import load_causal_lm
 
@@ -186,7 +186,7 @@ def time_weight_updates(model: str, updates: int, bucket_mb: float, device: Devi
 def _keep_generating(url: str, stop: threading.Event) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    from lm_human_preference_details.grpo.server import ServerError, request_json
+    from lm_human_preference_details.grpo.client import ServerError, request_json
 
     def one():
         while not stop.is_set():

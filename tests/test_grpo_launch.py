@@ -17,7 +17,7 @@ import pytest
 from conftest import redis_client, save_tiny_math_with_chat_template, with_stream
 
 from lm_human_preference_details.assets import tiny_math_prompt
-from lm_human_preference_details.grpo.server import request_json
+from lm_human_preference_details.grpo.client import request_json
 from lm_human_preference_details.tracking import read_metrics
 
 LAUNCH = [sys.executable, "-m", "lm_human_preference_details.grpo.launch", "--wandb-mode", "disabled"]  # --task tiny is the default
@@ -290,3 +290,14 @@ def test_threads_default_to_the_cores_shared_by_the_processes_that_compute_at_on
     assert pipeline.torch_threads("trainer") == pipeline.torch_threads("server") == max(1, cores // 4)  # side by side
     assert GRPOArgs(mode="pipeline", servers=["http://a:1", "http://b:1", "http://c:1"]).torch_threads("trainer") == max(1, cores // 4)
     assert GRPOArgs(mode="sync", threads=3).torch_threads("server") == 3
+
+
+def test_the_launcher_and_the_client_import_no_model_code():
+    """Every process of a run imports the launcher first, and the launcher starts the servers only once
+    it has: neither it nor the contract's client side may pull in transformers (seconds per process)."""
+    check = ("import sys; import lm_human_preference_details.grpo.{module}; "
+             "print(sorted(m for m in {heavy} if m in sys.modules))")
+    for module, heavy in (("launch", ["transformers", "math_verify", "aiohttp"]), ("client", ["torch", "transformers"])):
+        loaded = subprocess.run([sys.executable, "-c", check.format(module=module, heavy=heavy)], capture_output=True, text=True,
+                                check=True).stdout.strip()
+        assert loaded == "[]", f"grpo.{module} imports {loaded}"

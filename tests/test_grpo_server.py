@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import save_tiny_math_with_chat_template
 
-from lm_human_preference_details.grpo.server import ServerError, ServerProcess, request_json
+from lm_human_preference_details.grpo.client import ServerError, ServerProcess, request_json
 from lm_human_preference_details.grpo.weights import ParameterSpec, WeightSender, buckets, digest, flatten, parameter_specs, unflatten
 from lm_human_preference_details.models import load_causal_lm
 
@@ -260,7 +260,7 @@ def test_health_long_polls_until_a_version_serves(server, trainer_side):
 TRAINER_THAT_DIES = """
 import sys
 from lm_human_preference_details.grpo.weights import WeightGroup, listening_store
-from lm_human_preference_details.grpo.server import request_json
+from lm_human_preference_details.grpo.client import request_json
 url, specs = sys.argv[1], sys.argv[2]
 store = listening_store("127.0.0.1", 2)
 init_method = f"tcp://127.0.0.1:{store.port}"

@@ -7,6 +7,7 @@ The run ends when the trainer has taken `--steps` optimizer steps. Every process
 stopped when the run ends, when it fails, on Ctrl-C or SIGTERM, and (through a watchdog in each
 child) when the launcher itself is killed. A server that dies is tolerated while another serves;
 the actor retries its requests elsewhere. `--resume` continues from the last checkpoint.
+The trainer and the actor start with the servers and receive the servers' URLs once they serve.
 
 Files in `--output-dir`: metrics.jsonl (one line per optimizer step), samples.jsonl, stream.jsonl
 (the samples the actor wrote), servers.json (each server's /metrics at the end), logs/.
@@ -21,27 +22,35 @@ import signal
 import subprocess
 import sys
 import time
+from multiprocessing.connection import Connection
 
 from lm_human_preference_details import cli
-from lm_human_preference_details.grpo import actor, streams, trainer
+from lm_human_preference_details.grpo import streams
 from lm_human_preference_details.grpo.config import GRPOArgs, get_preset
 from lm_human_preference_details.grpo.lifetime import exit_with_parent
-from lm_human_preference_details.grpo.server import ServerError, ServerProcess, request_json
+from lm_human_preference_details.grpo.client import ServerError, ServerProcess, request_json
 
 log = logging.getLogger(__name__)
 
 SERVER_START_TIMEOUT_S = 600
 
 
-def _role(name: str, args: GRPOArgs, server_urls: list[str], first_group: int, launcher: int) -> None:
+def _role(name: str, args: GRPOArgs, server_urls: Connection, first_group: int, launcher: int) -> None:
+    """The trainer or the actor. It starts while the servers load (its imports and, for the trainer, its
+    models take seconds) and receives their URLs from the launcher once they serve."""
     exit_with_parent(launcher)
     cli.quiet_transformers()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the launcher decides
+    # each role imports only its own side (this module is kept light: it is what every process imports first)
     if name == "trainer":
-        trainer.train_then_exit(args, server_urls)
+        from lm_human_preference_details.grpo import trainer
+
+        trainer.train_then_exit(args, wait_for_servers=server_urls.recv)
     else:
-        actor.run(args, server_urls, first_group)
+        from lm_human_preference_details.grpo import actor
+
+        actor.run(args, server_urls.recv(), first_group)
 
 
 class Run:
@@ -52,6 +61,7 @@ class Run:
         self.servers: list[subprocess.Popen] = []
         self.server_urls: list[str] = list(args.servers)
         self.roles: dict[str, multiprocessing.Process] = {}
+        self._send_server_urls: list[Connection] = []
         self.logs = os.path.join(args.output_dir, "logs")
         os.makedirs(self.logs, exist_ok=True)
 
@@ -72,10 +82,20 @@ class Run:
         log.info("servers up: %s", " ".join(self.server_urls))
 
     def start_roles(self, first_group: int) -> None:
+        """Start the trainer and the actor; they wait for `send_server_urls`."""
         context = multiprocessing.get_context("spawn")
         for name in ("trainer", "actor"):
-            self.roles[name] = context.Process(target=_role, name=name, args=(name, self.args, self.server_urls, first_group, os.getpid()))
+            receive, send = context.Pipe(duplex=False)
+            self.roles[name] = context.Process(target=_role, name=name, args=(name, self.args, receive, first_group, os.getpid()))
             self.roles[name].start()
+            receive.close()  # the child's copy is the one that reads
+            self._send_server_urls.append(send)
+
+    def send_server_urls(self) -> None:
+        for send in self._send_server_urls:
+            with contextlib.suppress(BrokenPipeError):  # a role that died already: `wait` says so
+                send.send(self.server_urls)
+            send.close()
 
     def wait(self) -> None:
         """Until the trainer is done; raises if the trainer or the actor fails or every server is gone."""
@@ -134,7 +154,12 @@ def launch(args: GRPOArgs) -> None:
                             "refuses two ranks; use --weight-backend gloo, or start servers on other GPUs and pass --servers")
     args.check_weight_backend()
     os.makedirs(args.output_dir, exist_ok=True)
-    state = trainer.checkpoint_state(args.output_dir) if args.resume else {"version": 0, "stream_position": 0}
+    if args.resume:
+        from lm_human_preference_details.grpo import trainer  # transformers and all: only to resume
+
+        state = trainer.checkpoint_state(args.output_dir)
+    else:
+        state = {"version": 0, "stream_position": 0}
     version = state["version"]
     # a new run starts from an empty stream (an earlier run's samples are not ours); a resumed run
     # drops what the crashed run generated after its checkpoint, from weights that are gone
@@ -147,9 +172,10 @@ def launch(args: GRPOArgs) -> None:
     # Ctrl-C too, even when started in the background by a shell, which leaves SIGINT ignored
     previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
+        run.start_roles(first_group=version * args.groups_per_step())  # they load while the servers do
         if not args.servers:
             run.start_servers(model, version)
-        run.start_roles(first_group=version * args.groups_per_step())
+        run.send_server_urls()
         run.wait()
         run.save_server_metrics()
     finally:

@@ -24,6 +24,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 from transformers import DynamicCache
@@ -31,7 +32,7 @@ from transformers.cache_utils import DynamicLayer
 
 from lm_human_preference_details import cli
 from lm_human_preference_details.grpo.config import GRPOArgs, get_preset
-from lm_human_preference_details.grpo.server import request_json
+from lm_human_preference_details.grpo.client import request_json
 from lm_human_preference_details.grpo.streams import open_reader
 from lm_human_preference_details.grpo.weights import DTYPES, WeightSender
 from lm_human_preference_details.grpo_loss import effective_sample_size, group_advantages, policy_loss
@@ -129,7 +130,9 @@ def flatten_groups(groups: list[dict]) -> list[dict]:
     return [{"prompt_ids": g["prompt_ids"], "problem_id": g["problem_id"], **attempt} for g in groups for attempt in g["attempts"]]
 
 
-def train(args: GRPOArgs, server_urls: list[str]) -> None:
+def train(args: GRPOArgs, wait_for_servers: Callable[[], list[str]]) -> None:
+    """Train until `args.steps`; `wait_for_servers()` returns the servers' URLs once they serve (the
+    launcher starts the trainer while they load: models and optimizer are ready by then)."""
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.torch_threads("trainer"))
     from transformers import AutoTokenizer
@@ -148,6 +151,7 @@ def train(args: GRPOArgs, server_urls: list[str]) -> None:
     version, stream_position = state["version"], state["stream_position"]
     tracker = Tracker(args.output_dir, args, enabled=True, wandb_mode=args.wandb_mode, project=args.wandb_project,
                       run_name=args.run_name_for(f"grpo_{args.mode}"), resume_after_step=version if args.resume else None)
+    server_urls = wait_for_servers()
     sender = WeightSender(server_urls, backend=args.weight_backend, host=args.trainer_host)
     # weights go out in the servers' dtype (bf16 on GPUs): they check it before receiving
     server_dtype = DTYPES[request_json("GET", f"{server_urls[0]}/health")["dtype"]]
@@ -272,12 +276,12 @@ def checkpoint_model(output_dir: str) -> str:
     return os.path.join(output_dir, CHECKPOINT, "model")
 
 
-def train_then_exit(args: GRPOArgs, server_urls: list[str]) -> None:
+def train_then_exit(args: GRPOArgs, wait_for_servers: Callable[[], list[str]]) -> None:
     """`train`, then end the process at once: everything is written and flushed by then, and tearing
     down gloo process groups at interpreter exit can abort the process ("terminate called without an
     active exception", seen now and then in CI), which would turn a finished run into a
     failed one."""
-    train(args, server_urls)
+    train(args, wait_for_servers)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -292,7 +296,7 @@ def main() -> None:
     args.check_weight_backend()
     if not args.servers:
         raise cli.UserError("--servers: the trainer alone needs the URLs of running servers (or use grpo.launch)")
-    train_then_exit(args, args.servers)
+    train_then_exit(args, wait_for_servers=lambda: args.servers)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
-from lm_human_preference_details.grpo.server import ServerError, request_json
+from lm_human_preference_details.grpo.client import ServerError, request_json
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,72 @@
+"""The client side of the inference server's contract, without torch: JSON requests, and a server
+started as a child process (what the launcher, the trainer and the benchmarks use to reach one)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import weakref
+
+
+class ServerError(RuntimeError):
+    """A request to a server failed: `status` is the HTTP status, None when it could not be reached."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+def request_json(method: str, url: str, payload: dict | None = None, timeout_s: float = 60) -> dict:
+    """A blocking JSON request to a server (the trainer's and the launcher's side of the contract)."""
+    data = None if payload is None else json.dumps(payload).encode()
+    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        raise ServerError(f"{method} {url}: {error.code} {error.read().decode(errors='replace')}", error.code) from None
+    except (urllib.error.URLError, ConnectionError, TimeoutError) as error:
+        raise ServerError(f"{method} {url}: {error}") from None
+
+
+class ServerProcess:
+    """`python -m lm_human_preference_details.grpo.server FLAGS` as a child process on 127.0.0.1, on a
+    port the OS picks (`--port 0`, read back through `--port-file`): a port chosen beforehand could be
+    taken by another process before the server binds it, and /health would then be answered by that one."""
+
+    def __init__(self, flags: list[str], log_file, env: dict | None = None):
+        folder = tempfile.mkdtemp(prefix="grpo-server-")
+        self._port_file = os.path.join(folder, "port")
+        self._remove_folder = weakref.finalize(self, shutil.rmtree, folder, ignore_errors=True)  # also if never waited for
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "lm_human_preference_details.grpo.server", *flags, "--host", "127.0.0.1", "--port", "0",
+             "--port-file", self._port_file], stdout=log_file, stderr=subprocess.STDOUT, env=env)
+
+    def wait_until_serving(self, timeout_s: float = 600) -> str:
+        """The server's URL, once it answers /health; RuntimeError if it exits first or `timeout_s` passes
+        (loading a model can take minutes)."""
+        deadline = time.monotonic() + timeout_s
+        while not os.path.exists(self._port_file):
+            if self.process.poll() is not None and not os.path.exists(self._port_file):
+                raise RuntimeError(f"the server exited with status {self.process.returncode} before listening")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the server was not listening within {timeout_s:.0f} s")
+            time.sleep(0.05)
+        with open(self._port_file) as f:
+            url = f"http://127.0.0.1:{int(f.read())}"
+        self._remove_folder()
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server at {url} exited with status {self.process.returncode}")
+            try:
+                request_json("GET", f"{url}/health", timeout_s=2)
+                return url
+            except ServerError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the server at {url} did not answer within {timeout_s:.0f} s") from None
+                time.sleep(0.1)

@@ -73,10 +73,14 @@ trl116=${LMHPD_TRL116_PYTHON:+--trl-python $LMHPD_TRL116_PYTHON}
 if [ "${SMOKE:-0}" = 1 ]; then
     ppo=(--batch-size 8 --query-length 16 --response-length 8 --epochs 1 --warmup 1 --updates 1 --repeats 1
          --scaling --scaling-batches 8 --scaling-lengths 8)
-    grpo=(--steps 6 --repeats 1 --sync-steps 4 --updates 2 --no-per-tensor-row --no-raw-row --no-one-thread-row -- --max-tokens 4)
+    limits=(600 600)  # a busy 2-core machine, not the GPU's time budget
+    # every kind of row and table grpo_speed makes (the suite's smoke test of it), at one shape each
+    grpo=(--steps 6 --repeats 1 --sync-steps 4 --updates 2 --no-per-tensor-row --no-one-thread-row
+          --scaling --scaling-batches 16 --scaling-tokens 3 --scaling-steps 5 -- --max-tokens 4)
 else  # one process per row (a GPU run varies less than the 2-core CPU's)
     ppo=(--updates 10 --repeats 1 --scaling)
     grpo=(--steps 100 --repeats 1 --no-per-tensor-row --no-one-thread-row -- --max-tokens 24 --ignore-eos)
+    limits=(170 150)  # seconds per table: both fit in the device's budget with room to rerun
 fi
 status=0
 run_table() {  # NAME SECONDS COMMAND...: one table under its own time limit; on failure, its logs' last lines
@@ -87,8 +91,8 @@ run_table() {  # NAME SECONDS COMMAND...: one table under its own time limit; on
         (find "$out/$name" -name '*.log' -o -name 'log.txt' | tail -n 6 | xargs -r tail -n 25) 2>/dev/null || true
     fi
 }
-run_table ppo_speed 170 python3 benchmarks/ppo_speed.py --device "$device" --out-dir "$out/ppo_speed" $trl "${ppo[@]}"
-run_table grpo_speed 150 python3 benchmarks/grpo_speed.py --device "$device" --out-dir "$out/grpo_speed" --update-models tiny-math \
+run_table ppo_speed "${limits[0]}" python3 benchmarks/ppo_speed.py --device "$device" --out-dir "$out/ppo_speed" $trl "${ppo[@]}"
+run_table grpo_speed "${limits[1]}" python3 benchmarks/grpo_speed.py --device "$device" --out-dir "$out/grpo_speed" --update-models tiny-math \
     $trl116 "${grpo[@]}"
 # only the tables come back from the device machine ($OUT/a/b/file at most, 8 files): drop the runs
 for name in ppo_speed grpo_speed; do

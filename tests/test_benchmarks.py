@@ -45,34 +45,15 @@ def test_mean_std_by_step():
     assert curves.mean_std_by_step(rows) == ([1, 2], [2.0, 5.0], [1.0, 0.0])
 
 
-@pytest.mark.slow
-def test_grpo_speed_runs_both_schedules_times_an_update_and_trl(tmp_path):
-    trl_python = os.environ.get("LMHPD_TRL116_PYTHON")  # .ci/run makes this environment (trl==1.16.0)
-    out = tmp_path / "speed"
-    trl_flags = ["--trl-python", trl_python] if trl_python else []
-    load_script("grpo_speed").main(["--steps", "6", "--repeats", "1", "--sync-steps", "4", "--update-models", "tiny-math",
-                                    "--updates", "2", "--out-dir", str(out), "--scaling", "--scaling-batches", "16",
-                                    "--scaling-tokens", "3", "--scaling-steps", "5", *trl_flags, "--", "--max-tokens", "4"])
-    results = json.loads((out / "results.json").read_text())
-    assert set(results["runs"]) == {"pipeline", "pipeline, per-tensor updates", "sync G=4", "sync G=4, one thread per process",
-                                    "raw compute (one process)"} | (
-        {"trl GRPOTrainer"} if trl_python else set())
-    for name, (run,) in results["runs"].items():
-        assert run["samples_per_s"] > 0 and ("tokens_per_s" not in run or 0 < run["tokens_per_s"] <= 4 * run["samples_per_s"])
-    assert "tokens_per_s" in results["runs"]["pipeline"][0]
-    assert results["runs"]["sync G=4"][0]["lag_mean"] == pytest.approx(7 / 6)  # lags 0, 1, 2, 3 then 0, 1
-    (update,) = results["updates"]
-    assert update["model"] == "tiny-math" and update["tensors"] == 28 and update["broadcasts_bucketed"] == 1
-    assert all(update[way]["broadcast_s"] > 0 and update[way]["pause_s"] > 0 for way in ("per_tensor", "bucketed"))
-    (scaled,) = results["scaling"]
-    assert scaled["batch"] == 16 and scaled["tokens"] == 3 and scaled["pipeline"] > 0 and scaled["sync G=4"] > 0
-    table = (out / "results.md").read_text()
-    assert "| pipeline |" in table and "| sync G=4 |" in table and "| tiny-math | 0.1M | 28 (one per tensor) |" in table
-    assert "| 16 | 3 |" in table
-    if not trl_python:
-        pytest.skip("LMHPD_TRL116_PYTHON is not set (python -m venv --system-site-packages .venv-trl116 && "
-                    ".venv-trl116/bin/pip install --no-deps trl==1.16.0): TRL's GRPOTrainer not compared")
-    assert results["runs"]["trl GRPOTrainer"][0]["lag_mean"] == 0 and "| trl GRPOTrainer |" in table
+def test_grpo_speed_rows_per_tensor_updates_and_one_thread_sync_are_flag_variants_of_the_launch():
+    speed = load_script("grpo_speed")
+    names = dict(speed.schedules(speed.Args(task="tiny", sync_steps=[4, 8])))  # tiny sends its updates in buckets
+    assert names == {"pipeline": ["--mode", "pipeline"],
+                     "pipeline, per-tensor updates": ["--mode", "pipeline", "--update-bucket-mb", "0"],
+                     "sync G=4": ["--mode", "sync", "--sync-steps", "4"], "sync G=8": ["--mode", "sync", "--sync-steps", "8"],
+                     "sync G=4, one thread per process": ["--mode", "sync", "--sync-steps", "4", "--threads", "1"]}
+    assert "pipeline, per-tensor updates" not in dict(speed.schedules(speed.Args(task="arith")))  # one per tensor already
+    assert list(dict(speed.schedules(speed.Args(per_tensor_row=False, one_thread_row=False, sync_steps=[4])))) == ["pipeline", "sync G=4"]
 
 
 @pytest.mark.slow
@@ -142,29 +123,48 @@ def test_oai_baseline_export_renames_metrics_and_keeps_the_matching_runs(tmp_pat
 
 
 @pytest.mark.slow
-def test_gpu_sh_writes_every_speed_table_and_ppo_speed_times_ours_the_raw_compute_and_trl(tmp_path):
-    """benchmarks/gpu.sh as a lent GPU machine runs it, here on the CPU at seconds-long sizes; its
-    ppo_speed table doubles as that script's smoke test (with TRL where LMHPD_TRL_PYTHON names it)."""
-    trl_python = os.environ.get("LMHPD_TRL_PYTHON")  # .ci/run makes this environment (trl==1.12.0)
+def test_gpu_sh_writes_every_speed_table_of_ppo_speed_and_grpo_speed(tmp_path):
+    """benchmarks/gpu.sh as a lent GPU machine runs it, here on the CPU at seconds-long sizes: the smoke
+    test of both speed scripts, every kind of row and table they make (TRL's rows where
+    LMHPD_TRL_PYTHON and LMHPD_TRL116_PYTHON name an environment with it, as .ci/run makes them)."""
+    trl_python, trl116_python = os.environ.get("LMHPD_TRL_PYTHON"), os.environ.get("LMHPD_TRL116_PYTHON")
     out = tmp_path / "out"
-    env = {k: v for k, v in os.environ.items() if k != "LMHPD_TRL116_PYTHON"}  # grpo_speed's TRL row: its own test
     done = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu.sh")], capture_output=True, text=True,
-                          env=dict(env, OUT=str(out), DEVICE="cpu", SMOKE="1", WHEELS=str(tmp_path / "no_wheels")))
+                          env=dict(os.environ, OUT=str(out), DEVICE="cpu", SMOKE="1", WHEELS=str(tmp_path / "no_wheels")))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == [
         "gpu_sh.log", "grpo_speed", "grpo_speed/results.json", "grpo_speed/results.md",
         "ppo_speed", "ppo_speed/results.json", "ppo_speed/results.md"]
     assert "gpu.sh done in" in (out / "gpu_sh.log").read_text()
-    results = json.loads((out / "ppo_speed" / "results.json").read_text())
+
+    ppo = json.loads((out / "ppo_speed" / "results.json").read_text())
     names = {"ours", "raw"} | ({"trl"} if trl_python else set())
-    assert set(results["main"]) == names and results["args"]["device"] == "cpu"
-    for name, m in results["main"].items():
+    assert set(ppo["main"]) == names and ppo["args"]["device"] == "cpu"
+    for name, m in ppo["main"].items():
         assert m["s_per_update"] > 0 and m["peak_mib"] > 100 and len(m["runs"][0]["times"]) == 1, name
     table = (out / "ppo_speed" / "results.md").read_text()
     assert all(f"| {name} |" in table for name in names)
-    (scaled,) = results["scaling"]
+    (scaled,) = ppo["scaling"]
     assert scaled["batch_size"] == 8 and scaled["response_length"] == 8 and scaled["ours"] > 0 and scaled["raw"] > 0
-    assert set(json.loads((out / "grpo_speed" / "results.json").read_text())["runs"]) == {"pipeline", "sync G=4"}
-    if not trl_python:
-        pytest.skip("LMHPD_TRL_PYTHON is not set (python -m venv --system-site-packages .venv-trl && "
-                    ".venv-trl/bin/pip install --no-deps trl==1.12.0): TRL's PPOTrainer not compared")
+
+    grpo = json.loads((out / "grpo_speed" / "results.json").read_text())
+    assert set(grpo["runs"]) == {"pipeline", "sync G=4", "raw compute (one process)"} | (
+        {"trl GRPOTrainer"} if trl116_python else set())
+    for name, (run,) in grpo["runs"].items():
+        assert run["samples_per_s"] > 0 and ("tokens_per_s" not in run or 0 < run["tokens_per_s"] <= 4 * run["samples_per_s"]), name
+    assert "tokens_per_s" in grpo["runs"]["pipeline"][0]
+    assert grpo["runs"]["sync G=4"][0]["lag_mean"] == pytest.approx(7 / 6)  # lags 0, 1, 2, 3 then 0, 1
+    (update,) = grpo["updates"]
+    assert update["model"] == "tiny-math" and update["tensors"] == 28 and update["broadcasts_bucketed"] == 1
+    assert all(update[way]["broadcast_s"] > 0 and update[way]["pause_s"] > 0 for way in ("per_tensor", "bucketed"))
+    (scaled,) = grpo["scaling"]
+    assert scaled["batch"] == 16 and scaled["tokens"] == 3 and scaled["pipeline"] > 0 and scaled["sync G=4"] > 0
+    table = (out / "grpo_speed" / "results.md").read_text()
+    assert "| pipeline |" in table and "| sync G=4 |" in table and "| tiny-math | 0.1M | 28 (one per tensor) |" in table
+    assert "| 16 | 3 |" in table
+    if trl116_python:
+        assert grpo["runs"]["trl GRPOTrainer"][0]["lag_mean"] == 0 and "| trl GRPOTrainer |" in table
+    missing = [name for name, python in (("LMHPD_TRL_PYTHON", trl_python), ("LMHPD_TRL116_PYTHON", trl116_python)) if not python]
+    if missing:
+        pytest.skip(f"{' and '.join(missing)} not set (python -m venv --system-site-packages .venv-trl && .venv-trl/bin/pip "
+                    "install --no-deps trl==1.12.0; the same with .venv-trl116 and trl==1.16.0): TRL's rows not compared")

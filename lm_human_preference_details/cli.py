@@ -5,6 +5,7 @@ worker) import `UserError` from here without paying seconds of start-up for them
 """
 
 import functools
+import os
 import sys
 from collections.abc import Callable
 from typing import TypeVar
@@ -45,11 +46,15 @@ def split_passthrough(argv: list[str] | None = None) -> tuple[list[str], list[st
 
 
 def quiet_transformers() -> None:
-    """Progress bars and notices drown the training log (each process calls this for itself)."""
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
+    """Progress bars and notices drown the training log. Through the environment, which transformers
+    reads when it is imported (so a process that never uses it, like grpo.launch, does not import it
+    for this, and the processes it starts inherit the setting), and directly where it is imported."""
+    os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # transformers' own bars follow huggingface_hub's switch
+    if "transformers" in sys.modules:
+        transformers = sys.modules["transformers"]
+        transformers.utils.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
 
 
 def make_accelerator():
@@ -87,9 +92,8 @@ def main_with_user_errors(main: Callable[[], None]) -> Callable[[], None]:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
         finally:
-            import torch
-
-            if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch = sys.modules.get("torch")  # a process that never imported torch has no group (nor imports it now)
+            if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
                 torch.distributed.destroy_process_group()
 
     return wrapped

@@ -1,8 +1,10 @@
 """The shared command-line mechanics, in the processes a user's `accelerate launch` starts."""
 
 import json
+import logging
 import os
 import subprocess
+import sys
 
 import pytest
 from conftest import accelerate_two_processes
@@ -37,3 +39,24 @@ def test_a_finished_two_process_run_leaves_no_gloo_thread_to_the_interpreter_tea
     for rank in (0, 1):
         threads = json.loads((tmp_path / f"threads{rank}.json").read_text())
         assert not [name for name in threads if "gloo" in name], (rank, threads)
+
+
+QUIET_THEN_REPORT = """
+import sys
+from lm_human_preference_details import cli
+
+if sys.argv[1] == "after":
+    import transformers
+cli.quiet_transformers()
+imported_for_it = "transformers" in sys.modules
+import transformers
+
+print(imported_for_it, transformers.utils.logging.get_verbosity(), transformers.utils.logging.is_progress_bar_enabled())
+"""
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_quiet_transformers_works_before_and_after_transformers_is_imported_and_imports_nothing(when):
+    env = {k: v for k, v in os.environ.items() if k not in ("TRANSFORMERS_VERBOSITY", "HF_HUB_DISABLE_PROGRESS_BARS")}
+    out = subprocess.run([sys.executable, "-c", QUIET_THEN_REPORT, when], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.split() == [str(when == "after"), str(logging.ERROR), "False"]

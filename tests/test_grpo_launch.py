@@ -294,10 +294,19 @@ def test_threads_default_to_the_cores_shared_by_the_processes_that_compute_at_on
 
 def test_the_launcher_and_the_client_import_no_model_code():
     """Every process of a run imports the launcher first, and the launcher starts the servers only once
-    it has: neither it nor the contract's client side may pull in transformers (seconds per process)."""
+    it has: neither it nor the contract's client side may pull in torch (seconds per process)."""
     check = ("import sys; import lm_human_preference_details.grpo.{module}; "
              "print(sorted(m for m in {heavy} if m in sys.modules))")
-    for module, heavy in (("launch", ["transformers", "math_verify", "aiohttp"]), ("client", ["torch", "transformers"])):
+    for module, heavy in (("launch", ["torch", "transformers", "math_verify", "aiohttp"]), ("client", ["torch", "transformers"])):
         loaded = subprocess.run([sys.executable, "-c", check.format(module=module, heavy=heavy)], capture_output=True, text=True,
                                 check=True).stdout.strip()
         assert loaded == "[]", f"grpo.{module} imports {loaded}"
+
+
+def test_the_grpo_optimizer_choices_are_the_optimizers_there_are():
+    from typing import get_args, get_type_hints
+
+    from lm_human_preference_details.grpo.config import GRPOArgs
+    from lm_human_preference_details.optim import OptimizerName
+
+    assert get_args(get_type_hints(GRPOArgs)["optimizer"]) == get_args(OptimizerName)  # spelled out in config: no torch there

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from lm_human_preference_details.cli import UserError
-from lm_human_preference_details.optim import OptimizerName
 from lm_human_preference_details.tracking import RunArgs
 
 Mode = Literal["pipeline", "sync"]
@@ -64,8 +63,9 @@ class GRPOArgs(RunArgs):
     """samples (completions) per optimizer step; a multiple of group_size"""
     lr: float = 1e-3
     """learning rate (constant)"""
-    optimizer: OptimizerName = "adam_torch"
-    """`adam_tf` (TF1 epsilon placement, as in stages 1-2) or `adam_torch`"""
+    optimizer: Literal["adam_tf", "adam_torch"] = "adam_torch"
+    """`adam_tf` (TF1 epsilon placement, as in stages 1-2) or `adam_torch` (optim.OptimizerName, spelled out:
+    this module imports no torch, and the launcher, which every process of a run imports first, needs it)"""
     adam_eps: float = 1e-8
     """Adam epsilon"""
     grad_clip: float = 0.3

@@ -41,7 +41,7 @@ from aiohttp import web
 
 from lm_human_preference_details.cli import quiet_transformers
 from lm_human_preference_details.grpo.engine import Engine, GenerationRequest
-from lm_human_preference_details.grpo.lifetime import exit_with_parent
+from lm_human_preference_details.grpo.lifetime import exit_now, exit_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -401,7 +401,8 @@ def main() -> None:
         os.replace(args.port_file + ".tmp", args.port_file)
     host = f"[{args.host}]" if ":" in args.host else args.host  # an IPv6 address goes in brackets in a URL
     log.info("serving %s on http://%s:%d (pid %d)", args.model, host, port, os.getpid())
-    web.run_app(server.app(), sock=listening, print=None, access_log=None)
+    web.run_app(server.app(), sock=listening, print=None, access_log=None)  # until SIGTERM or SIGINT
+    exit_now(0)  # it may have joined the trainer's gloo groups
 
 
 if __name__ == "__main__":

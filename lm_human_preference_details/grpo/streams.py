@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 from urllib.parse import parse_qsl, unquote, urlsplit
 
+from lm_human_preference_details.cli import UserError
+
 if TYPE_CHECKING:
     import redis
 
@@ -101,8 +103,8 @@ def parse_stream_url(url: str) -> FileStreamUrl | RedisStreamUrl:
                 maxlen=maxlen,
             )
     except ValueError as e:
-        raise _user_error(f"bad stream URL {url!r} ({e}); expected {URL_FORMS}") from e
-    raise _user_error(f"bad stream URL {url!r}; expected {URL_FORMS}")
+        raise UserError(f"bad stream URL {url!r} ({e}); expected {URL_FORMS}") from e
+    raise UserError(f"bad stream URL {url!r}; expected {URL_FORMS}")
 
 
 def open_writer(url: str) -> StreamWriter:
@@ -150,12 +152,6 @@ def _truncate_file(path: str, keep: int) -> int:
         lines = f.read().split(b"\n")[:-1]  # complete lines; a partial last one is never a record
         f.truncate(sum(len(line) + 1 for line in lines[:keep]))
     return max(0, len(lines) - keep)
-
-
-def _user_error(message: str) -> Exception:
-    from ..cli import UserError  # imported here: cli loads torch and transformers (seconds), a stream needs neither
-
-    return UserError(message)
 
 
 def _encode(record: dict) -> str:
@@ -255,7 +251,7 @@ def _connect(where: RedisStreamUrl) -> "redis.Redis":
     try:
         import redis  # imported here so that file streams work without the package
     except ModuleNotFoundError as e:
-        raise _user_error(f"{where.url} needs the `redis` package: pip install redis") from e
+        raise UserError(f"{where.url} needs the `redis` package: pip install redis") from e
     client = redis.Redis(
         host=where.host,
         port=where.port,

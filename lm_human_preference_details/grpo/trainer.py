@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import shutil
-import sys
 import time
 from collections.abc import Callable
 
@@ -32,6 +31,7 @@ from transformers.cache_utils import DynamicLayer
 
 from lm_human_preference_details import cli
 from lm_human_preference_details.grpo.config import GRPOArgs, get_preset
+from lm_human_preference_details.grpo.lifetime import exit_now
 from lm_human_preference_details.grpo.client import request_json
 from lm_human_preference_details.grpo.streams import open_reader
 from lm_human_preference_details.grpo.weights import DTYPES, WeightSender
@@ -277,15 +277,9 @@ def checkpoint_model(output_dir: str) -> str:
 
 
 def train_then_exit(args: GRPOArgs, wait_for_servers: Callable[[], list[str]]) -> None:
-    """`train`, then end the process at once: everything is written and flushed by then, and tearing
-    down gloo process groups at interpreter exit can abort the process ("terminate called without an
-    active exception", seen now and then in CI), which would turn a finished run into a
-    failed one."""
+    """`train`, then end the process at once (`lifetime.exit_now`: everything is written by then)."""
     train(args, wait_for_servers)
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now(0)
 
 
 @cli.main_with_user_errors

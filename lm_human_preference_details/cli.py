@@ -55,6 +55,8 @@ def quiet_transformers() -> None:
         transformers = sys.modules["transformers"]
         transformers.utils.logging.set_verbosity_error()
         transformers.utils.logging.disable_progress_bar()
+    elif "huggingface_hub" in sys.modules:  # it read the environment already
+        sys.modules["huggingface_hub"].utils.disable_progress_bars()
 
 
 def make_accelerator():

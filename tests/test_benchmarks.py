@@ -45,7 +45,9 @@ def test_mean_std_by_step():
     assert curves.mean_std_by_step(rows) == ([1, 2], [2.0, 5.0], [1.0, 0.0])
 
 
-def test_grpo_speed_rows_per_tensor_updates_and_one_thread_sync_are_flag_variants_of_the_launch():
+def test_grpo_speed_rows_per_tensor_updates_and_one_thread_sync_are_flag_variants_of_the_launch(monkeypatch):
+    for name in ("TRANSFORMERS_VERBOSITY", "HF_HUB_DISABLE_PROGRESS_BARS"):  # the parse sets them: not for later tests
+        monkeypatch.delenv(name, raising=False)
     speed = load_script("grpo_speed")
     names = dict(speed.schedules(speed.Args(task="tiny", sync_steps=[4, 8])))  # tiny sends its updates in buckets
     assert names == {"pipeline": ["--mode", "pipeline"],
@@ -125,8 +127,10 @@ def test_oai_baseline_export_renames_metrics_and_keeps_the_matching_runs(tmp_pat
 @pytest.mark.slow
 def test_gpu_sh_writes_every_speed_table_of_ppo_speed_and_grpo_speed(tmp_path):
     """benchmarks/gpu.sh as a lent GPU machine runs it, here on the CPU at seconds-long sizes: the smoke
-    test of both speed scripts, every kind of row and table they make (TRL's rows where
-    LMHPD_TRL_PYTHON and LMHPD_TRL116_PYTHON name an environment with it, as .ci/run makes them)."""
+    test of both speed scripts: every table they make, every kind of row but grpo_speed's two flag
+    variants of a launch (per-tensor updates, one thread per process: the schedules test below and
+    tests/test_grpo_launch.py), and TRL's rows where LMHPD_TRL_PYTHON and LMHPD_TRL116_PYTHON name an
+    environment with it, as .ci/run makes them."""
     trl_python, trl116_python = os.environ.get("LMHPD_TRL_PYTHON"), os.environ.get("LMHPD_TRL116_PYTHON")
     out = tmp_path / "out"
     done = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu.sh")], capture_output=True, text=True,

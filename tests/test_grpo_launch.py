@@ -225,11 +225,14 @@ def test_a_killed_launcher_takes_its_children_down_and_the_run_resumes(tmp_path)
 
 
 @pytest.mark.slow
-def test_the_stream_can_be_a_redis_stream(tmp_path, redis_url):
+def test_the_stream_can_be_a_redis_stream_and_the_weights_go_one_broadcast_per_tensor(tmp_path, redis_url):
     url = with_stream(redis_url, f"grpo-{uuid.uuid4().hex}")
-    run = Launched(tmp_path / "run", "--steps", "10", "--stream", url)
+    # --update-bucket-mb 0: PipelineRL's one broadcast per tensor (the preset sends one bucket; grpo_speed has a row for it)
+    run = Launched(tmp_path / "run", "--steps", "10", "--stream", url, "--update-bucket-mb", "0")
     assert run.finish() == 0, run.output()
     assert len(metrics(run.output_dir)) == 10
+    (server,) = json.load(open(os.path.join(run.output_dir, "servers.json"))).values()
+    assert server["weight_updates"] == 10
     client = redis_client(url)
     entries = client.xrange(url.split("stream=")[1])
     assert len(entries) >= 10 * 8  # 8 groups per step
@@ -240,7 +243,9 @@ def test_the_stream_can_be_a_redis_stream(tmp_path, redis_url):
 
 @pytest.mark.slow
 def test_ignore_eos_samples_every_completion_to_the_limit_and_sample_tables_come_every_interval(tmp_path):
-    run = Launched(tmp_path / "run", "--steps", "3", "--ignore-eos", "--max-tokens", "9", "--sample-interval", "2")
+    # in sync mode with one torch thread per process: grpo_speed's one-thread row
+    run = Launched(tmp_path / "run", "--steps", "3", "--ignore-eos", "--max-tokens", "9", "--sample-interval", "2",
+                   "--mode", "sync", "--sync-steps", "3", "--threads", "1")
     assert run.finish() == 0, run.output()
     with open(os.path.join(run.output_dir, "stream.jsonl")) as f:
         attempts = [a for line in f for a in json.loads(line)["attempts"]]
@@ -293,8 +298,8 @@ def test_threads_default_to_the_cores_shared_by_the_processes_that_compute_at_on
 
 
 def test_the_launcher_and_the_client_import_no_model_code():
-    """Every process of a run imports the launcher first, and the launcher starts the servers only once
-    it has: neither it nor the contract's client side may pull in torch (seconds per process)."""
+    """The launcher starts the servers only once it is imported, and the trainer and the actor import it
+    first: neither it nor the contract's client side may pull in torch (seconds per process)."""
     check = ("import sys; import lm_human_preference_details.grpo.{module}; "
              "print(sorted(m for m in {heavy} if m in sys.modules))")
     for module, heavy in (("launch", ["torch", "transformers", "math_verify", "aiohttp"]), ("client", ["torch", "transformers"])):

@@ -288,6 +288,29 @@ def test_a_server_that_cannot_start_is_reported_not_waited_for(tmp_path):
         server.process.wait()
 
 
+def test_the_wait_for_a_loading_server_ends_when_the_callers_check_raises(model_dir):
+    """How grpo.launch stops waiting for its servers when the trainer or the actor has died meanwhile."""
+
+    class RoleDied(Exception):
+        pass
+
+    looks = []
+
+    def check():
+        looks.append(time.monotonic())
+        if len(looks) == 3:
+            raise RoleDied
+
+    server = ServerProcess(["--model", model_dir, "--threads", "1"], subprocess.DEVNULL)
+    try:
+        with pytest.raises(RoleDied):
+            server.wait_until_serving(timeout_s=120, while_waiting=check)
+        assert server.process.poll() is None and looks[-1] - looks[0] < 5  # it was still loading: the check ended the wait
+    finally:
+        server.process.kill()
+        server.process.wait()
+
+
 def test_a_server_whose_weight_transfer_breaks_says_so_instead_of_serving_stale_weights(model_dir, tmp_path):
     server = ServerProcess(["--model", model_dir, "--threads", "1"], subprocess.DEVNULL)
     process = server.process

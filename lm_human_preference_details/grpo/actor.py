@@ -77,9 +77,9 @@ class Actor:
     async def run(self, first_group: int = 0) -> None:
         """Generate groups first_group .. steps * groups_per_step - 1 and write them to the stream."""
         self._changed = asyncio.Condition()
-        # fork, not spawn: a spawned worker imports this process's main module again (the launcher's:
-        # torch, transformers, seconds of CPU taken from the run); forked now, before any request, this
-        # process has run no torch op and has no thread but the exit-with-parent watchdog
+        # fork, not spawn: a spawned worker imports its modules again (math_verify, aiohttp: CPU taken from
+        # the run); forked now, before any request, this process has run no torch op and has no thread but
+        # the exit-with-parent watchdog
         self._verifier = concurrent.futures.ProcessPoolExecutor(
             1, mp_context=multiprocessing.get_context("fork"), initializer=_verifier_process, initargs=(os.getpid(),))
         self._verifier.submit(math_rewards, ["\\boxed{\\frac{1}{2}}"], "1/2")  # start it and warm math_verify up now

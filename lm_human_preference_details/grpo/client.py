@@ -11,6 +11,7 @@ import time
 import urllib.error
 import urllib.request
 import weakref
+from collections.abc import Callable
 
 
 class ServerError(RuntimeError):
@@ -47,11 +48,13 @@ class ServerProcess:
             [sys.executable, "-m", "lm_human_preference_details.grpo.server", *flags, "--host", "127.0.0.1", "--port", "0",
              "--port-file", self._port_file], stdout=log_file, stderr=subprocess.STDOUT, env=env)
 
-    def wait_until_serving(self, timeout_s: float = 600) -> str:
+    def wait_until_serving(self, timeout_s: float = 600, while_waiting: Callable[[], None] = lambda: None) -> str:
         """The server's URL, once it answers /health; RuntimeError if it exits first or `timeout_s` passes
-        (loading a model can take minutes)."""
+        (loading a model can take minutes). `while_waiting()` is called between two looks: what it raises
+        ends the wait (the launcher checks on its other processes)."""
         deadline = time.monotonic() + timeout_s
         while not os.path.exists(self._port_file):
+            while_waiting()
             if self.process.poll() is not None and not os.path.exists(self._port_file):
                 raise RuntimeError(f"the server exited with status {self.process.returncode} before listening")
             if time.monotonic() > deadline:
@@ -61,6 +64,7 @@ class ServerProcess:
             url = f"http://127.0.0.1:{int(f.read())}"
         self._remove_folder()
         while True:
+            while_waiting()
             if self.process.poll() is not None:
                 raise RuntimeError(f"the server at {url} exited with status {self.process.returncode}")
             try:

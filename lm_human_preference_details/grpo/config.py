@@ -65,7 +65,7 @@ class GRPOArgs(RunArgs):
     """learning rate (constant)"""
     optimizer: Literal["adam_tf", "adam_torch"] = "adam_torch"
     """`adam_tf` (TF1 epsilon placement, as in stages 1-2) or `adam_torch` (optim.OptimizerName, spelled out:
-    this module imports no torch, and the launcher, which every process of a run imports first, needs it)"""
+    this module imports no torch, so neither does the launcher, which starts the servers once it is imported)"""
     adam_eps: float = 1e-8
     """Adam epsilon"""
     grad_clip: float = 0.3

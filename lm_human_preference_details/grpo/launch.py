@@ -26,13 +26,17 @@ from multiprocessing.connection import Connection
 
 from lm_human_preference_details import cli
 from lm_human_preference_details.grpo import streams
+from lm_human_preference_details.grpo.client import ServerError, ServerProcess, request_json
 from lm_human_preference_details.grpo.config import GRPOArgs, get_preset
 from lm_human_preference_details.grpo.lifetime import exit_with_parent
-from lm_human_preference_details.grpo.client import ServerError, ServerProcess, request_json
 
 log = logging.getLogger(__name__)
 
 SERVER_START_TIMEOUT_S = 600
+
+
+class RoleExited(RuntimeError):
+    """The trainer or the actor ended while the servers were loading (its traceback is in the output above)."""
 
 
 def _role(name: str, args: GRPOArgs, server_urls: Connection, first_group: int, launcher: int) -> None:
@@ -76,7 +80,9 @@ class Run:
             self.servers.append(started[-1].process)
         for i, server_process in enumerate(started):  # they load their models side by side
             try:
-                self.server_urls.append(server_process.wait_until_serving(SERVER_START_TIMEOUT_S))
+                self.server_urls.append(server_process.wait_until_serving(SERVER_START_TIMEOUT_S, self.check_roles_started))
+            except RoleExited:
+                raise
             except RuntimeError as error:
                 raise RuntimeError(f"server {i}: {error}; see {self.logs}/server-{i}.log") from None
         log.info("servers up: %s", " ".join(self.server_urls))
@@ -96,6 +102,12 @@ class Run:
             with contextlib.suppress(BrokenPipeError):  # a role that died already: `wait` says so
                 send.send(self.server_urls)
             send.close()
+
+    def check_roles_started(self) -> None:
+        """RoleExited if the trainer or the actor has ended: before the servers serve, any end is a failure."""
+        for name, process in self.roles.items():
+            if process.exitcode is not None:
+                raise RoleExited(f"the {name} exited with status {process.exitcode} while the servers were loading")
 
     def wait(self) -> None:
         """Until the trainer is done; raises if the trainer or the actor fails or every server is gone."""
@@ -155,18 +167,17 @@ def launch(args: GRPOArgs) -> None:
     args.check_weight_backend()
     os.makedirs(args.output_dir, exist_ok=True)
     if args.resume:
-        from lm_human_preference_details.grpo import trainer  # transformers and all: only to resume
+        from lm_human_preference_details.grpo import trainer  # torch and transformers: only to resume
 
-        state = trainer.checkpoint_state(args.output_dir)
+        state, model = trainer.checkpoint_state(args.output_dir), trainer.checkpoint_model(args.output_dir)
     else:
-        state = {"version": 0, "stream_position": 0}
+        state, model = {"version": 0, "stream_position": 0}, args.model
     version = state["version"]
     # a new run starts from an empty stream (an earlier run's samples are not ours); a resumed run
     # drops what the crashed run generated after its checkpoint, from weights that are gone
     dropped = streams.truncate(args.stream_url(), state["stream_position"])
     if dropped:
         log.info("starting at step %d: %d groups of the stream dropped", version, dropped)
-    model = trainer.checkpoint_model(args.output_dir) if args.resume else args.model
     run = Run(args)
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops the children
     # Ctrl-C too, even when started in the background by a shell, which leaves SIGINT ignored

@@ -30,9 +30,9 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from lm_human_preference_details import cli
+from lm_human_preference_details.grpo.client import request_json
 from lm_human_preference_details.grpo.config import GRPOArgs, get_preset
 from lm_human_preference_details.grpo.lifetime import exit_now
-from lm_human_preference_details.grpo.client import request_json
 from lm_human_preference_details.grpo.streams import open_reader
 from lm_human_preference_details.grpo.weights import DTYPES, WeightSender
 from lm_human_preference_details.grpo_loss import effective_sample_size, group_advantages, policy_loss
@@ -149,9 +149,10 @@ def train(args: GRPOArgs, wait_for_servers: Callable[[], list[str]]) -> None:
     if args.resume:
         optimizer.load_state_dict(torch.load(os.path.join(args.output_dir, CHECKPOINT, "optimizer.pt")))
     version, stream_position = state["version"], state["stream_position"]
+    server_urls = wait_for_servers()
+    # once the servers serve: a run whose servers never started leaves no wandb run or metrics behind
     tracker = Tracker(args.output_dir, args, enabled=True, wandb_mode=args.wandb_mode, project=args.wandb_project,
                       run_name=args.run_name_for(f"grpo_{args.mode}"), resume_after_step=version if args.resume else None)
-    server_urls = wait_for_servers()
     sender = WeightSender(server_urls, backend=args.weight_backend, host=args.trainer_host)
     # weights go out in the servers' dtype (bf16 on GPUs): they check it before receiving
     server_dtype = DTYPES[request_json("GET", f"{server_urls[0]}/health")["dtype"]]

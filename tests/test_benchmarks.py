@@ -128,7 +128,7 @@ def test_oai_baseline_export_renames_metrics_and_keeps_the_matching_runs(tmp_pat
 def test_gpu_sh_writes_every_speed_table_of_ppo_speed_and_grpo_speed(tmp_path):
     """benchmarks/gpu.sh as a lent GPU machine runs it, here on the CPU at seconds-long sizes: the smoke
     test of both speed scripts: every table they make, every kind of row but grpo_speed's two flag
-    variants of a launch (per-tensor updates, one thread per process: the schedules test below and
+    variants of a launch (per-tensor updates, one thread per process: the schedules test above and
     tests/test_grpo_launch.py), and TRL's rows where LMHPD_TRL_PYTHON and LMHPD_TRL116_PYTHON name an
     environment with it, as .ci/run makes them."""
     trl_python, trl116_python = os.environ.get("LMHPD_TRL_PYTHON"), os.environ.get("LMHPD_TRL116_PYTHON")

@@ -22,6 +22,7 @@ import multiprocessing
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -233,14 +234,17 @@ async def _reap(pending: set[asyncio.Task], wait: bool = False) -> set[asyncio.T
     return pending
 
 
-def run(args: GRPOArgs, server_urls: list[str], first_group: int = 0) -> None:
-    """Run the actor until its last group is written, or until SIGTERM/SIGINT (then stop cleanly)."""
+def run(args: GRPOArgs, wait_for_servers: Callable[[], list[str]], first_group: int = 0) -> None:
+    """Run the actor until its last group is written, or until SIGTERM/SIGINT (then stop cleanly).
+    `wait_for_servers()` returns the servers' URLs once they serve (the problems load meanwhile)."""
+    problems = load_task_problems(args)
+    server_urls = wait_for_servers()
 
     async def main():
         task = asyncio.current_task()
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, task.cancel)
-        actor = Actor(args, server_urls, load_task_problems(args))
+        actor = Actor(args, server_urls, problems)
         try:
             await actor.run(first_group)
         except asyncio.CancelledError:
@@ -254,7 +258,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s actor %(message)s")
     args = cli.parse(GRPOArgs, get_preset, "tiny")
     args.check()
-    run(args, args.servers)
+    run(args, wait_for_servers=lambda: args.servers)
 
 
 if __name__ == "__main__":

@@ -46,7 +46,8 @@ def _role(name: str, args: GRPOArgs, server_urls: Connection, first_group: int, 
     cli.quiet_transformers()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the launcher decides
-    # each role imports only its own side (this module is kept light: it is what every process imports first)
+    # each role imports only its own side (this module is kept light: the trainer and the actor import it
+    # first, and the launcher starts the servers only once it is imported)
     if name == "trainer":
         from lm_human_preference_details.grpo import trainer
 
@@ -54,7 +55,7 @@ def _role(name: str, args: GRPOArgs, server_urls: Connection, first_group: int, 
     else:
         from lm_human_preference_details.grpo import actor
 
-        actor.run(args, server_urls.recv(), first_group)
+        actor.run(args, wait_for_servers=server_urls.recv, first_group=first_group)
 
 
 class Run:

@@ -9,7 +9,7 @@ import torch
 
 from lm_human_preference_details.assets import tiny_math_prompt
 from lm_human_preference_details.grpo.config import GRPOArgs
-from lm_human_preference_details.grpo.engine import Engine, GenerationRequest
+from lm_human_preference_details.grpo.engine import Engine, GenerationRequest, sample_tokens
 from lm_human_preference_details.grpo.server import load_for_inference
 from lm_human_preference_details.grpo.trainer import batch_tensors, flatten_groups, pack, token_logprobs
 
@@ -131,6 +131,17 @@ def test_finished_slots_are_refilled_and_stop_tokens_end_sequences(tiny_math):
         assert tokenizer.eos_token_id not in stopped.token_ids[:-1]
     finally:
         engine.stop()
+
+
+def test_sample_tokens_draws_each_row_from_its_distribution():
+    probs = torch.tensor([[0.1, 0.0, 0.6, 0.3, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, 1.0]])
+    logprobs = probs.log().repeat(100_000, 1)  # zero probabilities: -inf
+    tokens = sample_tokens(logprobs, torch.Generator().manual_seed(0)).view(-1, 2)
+    counts = torch.bincount(tokens[:, 0], minlength=6) / len(tokens)
+    torch.testing.assert_close(counts, probs[0], atol=0.005, rtol=0)  # 5 standard deviations at most
+    assert counts[[1, 4, 5]].sum() == 0 and (tokens[:, 1] == 5).all()  # never a token of probability 0
+    tiny = torch.log_softmax(torch.tensor([[0.0, -200.0, 5.0]]), -1).repeat(100_000, 1)  # exp underflows to 0 for one
+    assert (sample_tokens(tiny, torch.Generator().manual_seed(1)) != 1).all()
 
 
 def test_bad_requests_are_refused_before_queueing(tiny_math):

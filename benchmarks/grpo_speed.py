@@ -218,6 +218,7 @@ def raw_step_times(args: Args) -> list[float]:
 
     from lm_human_preference_details.assets import resolve_model_path
     from lm_human_preference_details.grpo.config import load_task_problems
+    from lm_human_preference_details.grpo.engine import sample_tokens
     from lm_human_preference_details.grpo.rewards import integer_reward, math_reward
     from lm_human_preference_details.grpo_loss import group_advantages, policy_loss
     from lm_human_preference_details.models import load_causal_lm, logprobs_of
@@ -226,6 +227,7 @@ def raw_step_times(args: Args) -> list[float]:
     settings = run_settings(args)
     torch.manual_seed(settings.seed)
     device = torch.device(args.device)
+    generator = torch.Generator(device=device).manual_seed(settings.seed)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(settings.model))
     vocab, eos = len(tokenizer), tokenizer.eos_token_id
     model = load_causal_lm(settings.model).to(device)
@@ -245,8 +247,8 @@ def raw_step_times(args: Args) -> list[float]:
             out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
             tokens = []
             for t in range(settings.max_tokens):
-                probs = torch.softmax(out.logits[:, -1, :vocab].float() / settings.temperature, -1)
-                tokens.append(torch.multinomial(probs, 1))
+                logprobs = torch.log_softmax(out.logits[:, -1, :vocab].float() / settings.temperature, -1)
+                tokens.append(sample_tokens(logprobs, generator)[:, None])  # the servers' sampler
                 if t + 1 == settings.max_tokens or not settings.ignore_eos and (torch.cat(tokens, 1) == eos).any(1).all():
                     break
                 mask, positions = torch.cat([mask, torch.ones_like(tokens[-1])], 1), positions[:, -1:] + 1

@@ -133,15 +133,39 @@ def test_finished_slots_are_refilled_and_stop_tokens_end_sequences(tiny_math):
         engine.stop()
 
 
-def test_sample_tokens_draws_each_row_from_its_distribution():
+def test_sample_tokens_draws_each_row_from_its_distribution(monkeypatch):
     probs = torch.tensor([[0.1, 0.0, 0.6, 0.3, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, 1.0]])
     logprobs = probs.log().repeat(100_000, 1)  # zero probabilities: -inf
     tokens = sample_tokens(logprobs, torch.Generator().manual_seed(0)).view(-1, 2)
     counts = torch.bincount(tokens[:, 0], minlength=6) / len(tokens)
-    torch.testing.assert_close(counts, probs[0], atol=0.005, rtol=0)  # 5 standard deviations at most
+    torch.testing.assert_close(counts, probs[0], atol=0.005, rtol=0)  # over 3 standard deviations
     assert counts[[1, 4, 5]].sum() == 0 and (tokens[:, 1] == 5).all()  # never a token of probability 0
-    tiny = torch.log_softmax(torch.tensor([[0.0, -200.0, 5.0]]), -1).repeat(100_000, 1)  # exp underflows to 0 for one
-    assert (sample_tokens(tiny, torch.Generator().manual_seed(1)) != 1).all()
+
+    # the draw's extremes: 0 must not pick the leading zero-probability entries, 1 (rounded up) not
+    # run past the last entry; an entry whose exp underflows is a zero too
+    one_token = torch.log_softmax(torch.tensor([[-200.0, -200.0, 5.0, -200.0, -200.0]]), -1)
+    for draw in (0.0, 1.0):
+        monkeypatch.setattr(torch, "rand", lambda shape, **kw: torch.full(shape, draw, dtype=kw["dtype"]))
+        assert sample_tokens(one_token, torch.Generator()).tolist() == [2]
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="NaN or all -inf"):
+        sample_tokens(torch.tensor([[0.0, float("nan")]]), torch.Generator())
+    with pytest.raises(ValueError, match="NaN or all -inf"):
+        sample_tokens(torch.full((1, 3), float("-inf")), torch.Generator())
+
+
+def test_rows_of_different_temperatures_keep_theirs_when_rows_move(tiny_math):
+    """Each row samples at its own request's temperature, also after finished rows are refilled and
+    live rows move into their places."""
+    model, tokenizer = tiny_math
+    engine = Engine(model, max_batch_size=3, seed=4, vocab_size=len(tokenizer)).start()
+    try:
+        prompts = [tokenizer(tiny_math_prompt(a, 3))["input_ids"] for a in range(4)]
+        requests = [GenerationRequest(prompts[i % 4], max_new_tokens=(3, 9, 5, 12)[i % 4], temperature=(0.6, 1.4)[i % 2])
+                    for i in range(10)]
+        assert_full_forward_logprobs(model, tokenizer, requests, engine.submit_many(requests))
+    finally:
+        engine.stop()
 
 
 def test_bad_requests_are_refused_before_queueing(tiny_math):

@@ -302,6 +302,11 @@ def test_grpo_args_check_names_the_field():
         GRPOArgs(steps_ahead=0).check()
     with pytest.raises(UserError, match="--problems-per-request 3 must divide the 8 problems of an optimizer step"):
         GRPOArgs(batch_size=64, group_size=8, problems_per_request=3).check()
+    with pytest.raises(UserError, match="--problems-per-request must be >= 0, got -1"):
+        GRPOArgs(problems_per_request=-1).check()
+    one_request_per_step = GRPOArgs(batch_size=16, group_size=8, problems_per_request=0)
+    one_request_per_step.check()  # 0 fits every batch size: all of a step's problems
+    assert one_request_per_step.request_problems() == 2 and GRPOArgs(problems_per_request=4).request_problems() == 4
     if not torch.cuda.is_available():
         with pytest.raises(UserError, match="--weight-backend nccl sends GPU tensors and no GPU is visible; use --weight-backend gloo"):
             GRPOArgs(weight_backend="nccl").check_weight_backend()

@@ -170,6 +170,7 @@ def test_both_schedules_learn_and_leave_no_process_behind(tmp_path, mode):
     assert last > first + 0.1, (first, last)
     servers = json.load(open(os.path.join(run.output_dir, "servers.json")))
     (server,) = servers.values()
+    assert server["requests"] == 100  # the preset's --problems-per-request 0: one request per optimizer step
     if mode == "sync":  # generate 4 steps' worth with frozen weights, then train 4 steps
         assert [(r["lag/min"], r["lag/max"]) for r in rows] == [((s - 1) % 4, (s - 1) % 4) for s in range(1, 101)]
         assert server["weight_updates"] == 25

@@ -91,7 +91,7 @@ class Actor:
             watchers = {asyncio.create_task(self._watch_server(session, server)) for server in self.servers}
             pending: set[asyncio.Task] = set()
             try:
-                per_request = self.args.problems_per_request
+                per_request = self.args.request_problems()
                 for first in range(first_group, self.args.steps * self.args.groups_per_step(), per_request):
                     await self._wait_for_room(first + per_request - 1)
                     problems = [self.problems[k % len(self.problems)] for k in range(first, first + per_request)]

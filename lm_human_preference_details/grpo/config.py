@@ -107,7 +107,8 @@ class GRPOArgs(RunArgs):
     problems_per_request: int = 1
     """problems sent in one completion request (OpenAI's list-of-prompts form); fewer, larger requests
     cost the servers less HTTP and prefill per sample. Divides batch_size / group_size (a request never
-    spans two optimizer steps); with `chat` each problem still goes in a request of its own"""
+    spans two optimizer steps); 0: all of an optimizer step's problems in one request; with `chat` each
+    problem still goes in a request of its own"""
     update_bucket_mb: float = 0.0
     """weight updates go out as flat buckets of consecutive tensors, at most this many MiB each
     (0: one broadcast per tensor, PipelineRL's way; on gloo each broadcast costs about 0.3 ms of CPU
@@ -135,6 +136,10 @@ class GRPOArgs(RunArgs):
     def groups_per_step(self) -> int:
         return self.batch_size // self.group_size
 
+    def request_problems(self) -> int:
+        """Problems in one completion request: `problems_per_request`, or when 0 an optimizer step's."""
+        return self.problems_per_request or self.groups_per_step()
+
     def torch_threads(self, role: Literal["server", "trainer"]) -> int:
         """`threads`, or when 0 the share of the cores that this mode gives each server or the trainer."""
         if self.threads:
@@ -154,18 +159,18 @@ class GRPOArgs(RunArgs):
         if self.batch_size % self.group_size:
             raise UserError(f"--batch-size {self.batch_size} must be a multiple of --group-size {self.group_size}")
         for name in ("steps", "sync_steps", "steps_ahead", "num_servers", "server_batch_size", "max_in_flight",
-                     "problems_per_request", "max_tokens", "sample_interval"):
+                     "max_tokens", "sample_interval"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         for name in ("temperature", "lr", "ratio_cap", "clip_eps", "grad_clip", "request_timeout_s"):
             if getattr(self, name) <= 0:
                 raise UserError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
-        for name in ("kl_coef", "save_interval", "update_bucket_mb", "threads"):
+        for name in ("kl_coef", "save_interval", "update_bucket_mb", "threads", "problems_per_request"):
             if getattr(self, name) < 0:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
-        if self.groups_per_step() % self.problems_per_request:
+        if self.groups_per_step() % self.request_problems():
             raise UserError(f"--problems-per-request {self.problems_per_request} must divide the {self.groups_per_step()} "
-                            f"problems of an optimizer step (batch_size / group_size)")
+                            f"problems of an optimizer step (batch_size / group_size), or be 0: all of them in one request")
         if self.token_budget < 1:
             raise UserError(f"--token-budget must be >= 1, got {self.token_budget}")
 
@@ -181,12 +186,12 @@ class GRPOArgs(RunArgs):
 PRESETS: dict[str, GRPOArgs] = {
     # learns in a minute on a CPU: the format-taught tiny model, sums of two digits 0-4 (25 problems)
     # (the tiny model is cheap to run, so overheads rule: a server batch of 256 amortises each decode
-    # step's; one request per optimizer step (8 problems, one prefill) instead of 4 requests of 2 took
-    # the pipeline 0.86x and sync G=4 0.89x the time a step (6 rounds of interleaved runs); and its
-    # 28 tensors go to the servers as one broadcast)
+    # step's; one request per optimizer step (its 8 problems, one prefill) instead of 4 requests of 2
+    # took the pipeline 0.86x and sync G=4 0.89x the time a step (6 rounds of interleaved runs); and
+    # its 28 tensors go to the servers as one broadcast)
     "tiny": GRPOArgs(preset="tiny", model="tiny-math", problems="tiny-sums", answer_prefix="\\boxed{",
                      group_size=8, batch_size=64, max_tokens=6, steps=100, lr=5e-4, steps_ahead=4,
-                     server_batch_size=256, problems_per_request=8, update_bucket_mb=16),
+                     server_batch_size=256, problems_per_request=0, update_bucket_mb=16),
     # a real pretrained LM (SmolLM2-135M-Instruct, offline) completing `4+5=\boxed{`: about 3% right at
     # the start; sized for a GPU (on 2 CPU cores a step takes about 10 s)
     "arith": GRPOArgs(preset="arith", model="smollm2-135m", problems="arith", arith_digits=1,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lm_human_preference_details.assets import tiny_math_prompt
-from lm_human_preference_details.grpo.config import GRPOArgs
+from lm_human_preference_details.grpo.config import GRPOArgs, get_preset
 from lm_human_preference_details.grpo.engine import Engine, GenerationRequest, sample_tokens
 from lm_human_preference_details.grpo.server import load_for_inference
 from lm_human_preference_details.grpo.trainer import batch_tensors, flatten_groups, pack, token_logprobs
@@ -307,6 +307,12 @@ def test_grpo_args_check_names_the_field():
     one_request_per_step = GRPOArgs(batch_size=16, group_size=8, problems_per_request=0)
     one_request_per_step.check()  # 0 fits every batch size: all of a step's problems
     assert one_request_per_step.request_problems() == 2 and GRPOArgs(problems_per_request=4).request_problems() == 4
+    assert get_preset("tiny").problems_per_request == 0  # the preset: one request per optimizer step
+    with pytest.raises(UserError, match="--problems-per-request 0: 1024 samples in one request .* divides the 128 problems "
+                                        "of a step into requests of at most 64"):  # a server takes at most 512 (MAX_CHOICES)
+        GRPOArgs(batch_size=1024, group_size=8, problems_per_request=0).check()
+    GRPOArgs(batch_size=1024, group_size=8, problems_per_request=64).check()
+    GRPOArgs(batch_size=1024, group_size=8, problems_per_request=0, chat=True).check()  # chat: one request per problem
     if not torch.cuda.is_available():
         with pytest.raises(UserError, match="--weight-backend nccl sends GPU tensors and no GPU is visible; use --weight-backend gloo"):
             GRPOArgs(weight_backend="nccl").check_weight_backend()

@@ -14,6 +14,10 @@ import weakref
 from collections.abc import Callable
 
 
+MAX_CHOICES = 512
+"""sequences one completion request may ask for (prompts x n)"""
+
+
 class ServerError(RuntimeError):
     """A request to a server failed: `status` is the HTTP status, None when it could not be reached."""
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from lm_human_preference_details.cli import UserError
+from lm_human_preference_details.grpo.client import MAX_CHOICES
 from lm_human_preference_details.tracking import RunArgs
 
 Mode = Literal["pipeline", "sync"]
@@ -102,7 +103,7 @@ class GRPOArgs(RunArgs):
     server_batch_size: int = 64
     """sequences each server decodes together"""
     max_in_flight: int = 32
-    """requests (`problems_per_request` problems x `group_size` attempts each) the actor keeps in flight
+    """requests (`request_problems()` problems x `group_size` attempts each) the actor keeps in flight
     per server: more sequences than the server's batch, so a finished slot is refilled from its queue at once"""
     problems_per_request: int = 1
     """problems sent in one completion request (OpenAI's list-of-prompts form); fewer, larger requests
@@ -171,6 +172,11 @@ class GRPOArgs(RunArgs):
         if self.groups_per_step() % self.request_problems():
             raise UserError(f"--problems-per-request {self.problems_per_request} must divide the {self.groups_per_step()} "
                             f"problems of an optimizer step (batch_size / group_size), or be 0: all of them in one request")
+        choices = (1 if self.chat else self.request_problems()) * self.group_size
+        if choices > MAX_CHOICES:
+            raise UserError(f"--problems-per-request {self.problems_per_request}: {choices} samples in one request (problems x "
+                            f"--group-size {self.group_size}), a server takes at most {MAX_CHOICES}: pass one that divides the "
+                            f"{self.groups_per_step()} problems of a step into requests of at most {MAX_CHOICES // self.group_size}")
         if self.token_budget < 1:
             raise UserError(f"--token-budget must be >= 1, got {self.token_budget}")
 

@@ -40,13 +40,11 @@ import tyro
 from aiohttp import web
 
 from lm_human_preference_details.cli import quiet_transformers
+from lm_human_preference_details.grpo.client import MAX_CHOICES
 from lm_human_preference_details.grpo.engine import Engine, GenerationRequest
 from lm_human_preference_details.grpo.lifetime import exit_now, exit_with_parent
 
 log = logging.getLogger(__name__)
-
-MAX_CHOICES = 512
-"""sequences one request may ask for (prompts x n)"""
 
 
 class BadRequest(ValueError):

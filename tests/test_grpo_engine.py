@@ -3,6 +3,7 @@ weights swapped between two decode steps while sequences carry on with their KV 
 
 import copy
 import threading
+import time
 
 import pytest
 import torch
@@ -152,6 +153,31 @@ def test_sample_tokens_draws_each_row_from_its_distribution(monkeypatch):
         sample_tokens(torch.tensor([[0.0, float("nan")]]), torch.Generator())
     with pytest.raises(ValueError, match="NaN or all -inf"):
         sample_tokens(torch.full((1, 3), float("-inf")), torch.Generator())
+
+
+def test_stopping_the_engine_fails_its_running_sequences_and_cancels_its_queued_ones(tiny_math):
+    """A running future cannot be cancelled: stop() must fail it, or its waiter hangs until its own timeout."""
+    model, tokenizer = tiny_math
+    engine = Engine(model, max_batch_size=1, seed=0, vocab_size=len(tokenizer))  # not started: both requests queue
+    prompt = tokenizer(tiny_math_prompt(1, 2))["input_ids"]
+    running, queued = engine.submit_many([GenerationRequest(prompt, max_new_tokens=12)] * 2)  # one row: one runs
+    release = threading.Event()
+    held = engine.call_between_steps(lambda: release.wait(30))  # taken with the first admission, before its prefill
+    engine.start()
+    stopping = threading.Thread(target=engine.stop)
+    try:
+        while not running.running():
+            time.sleep(0.01)
+        stopping.start()
+        while not engine._stopped:
+            time.sleep(0.01)
+    finally:
+        release.set()  # then one prefill and one decode step, and the loop sees the stop
+    stopping.join(timeout=30)
+    assert held.result(timeout=1) is True
+    with pytest.raises(RuntimeError, match="engine stopped before the sequence finished"):
+        running.result(timeout=1)
+    assert queued.cancelled()
 
 
 def test_rows_of_different_temperatures_keep_theirs_when_rows_move(tiny_math):

@@ -93,17 +93,18 @@ def raw_update_times(args: Args) -> list[float]:
     for _ in range(args.warmup + args.updates):
         start = time.perf_counter()
         with torch.no_grad():  # sampling: a prefill, then one cached forward per token
-            out = policy.lm(input_ids=queries, use_cache=True)
+            out = policy.lm(input_ids=queries, use_cache=True, logits_to_keep=1)
             tokens = []
             for t in range(args.response_length):
                 tokens.append(torch.multinomial(torch.softmax(out.logits[:, -1, :vocab].float(), -1), 1))
                 if t + 1 < args.response_length:
                     out = policy.lm(input_ids=tokens[-1], cache=out.cache, use_cache=True)
             ids = torch.cat([queries, *tokens], dim=1)
-            policy(ids, pad_id), reference(ids, pad_id), reward(ids, pad_id)
+            responses = slice(q - 1, -1)  # the positions that predict the response tokens
+            policy(ids, pad_id, responses), reference(ids, pad_id, responses), reward(ids, pad_id)
         for _ in range(args.epochs):
-            logits, values = policy(ids, pad_id)
-            loss = -logprobs_of(logits[:, q - 1 : -1], ids[:, q:], 1.0).mean() + values[:, q - 1 : -1].square().mean()
+            logits, values = policy(ids, pad_id, responses)
+            loss = -logprobs_of(logits, ids[:, q:], 1.0).mean() + values.square().mean()
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()

@@ -98,10 +98,15 @@ class PolicyAndValue(nn.Module):
         self.value_head = scalar_head(lm.config.hidden_size, std=0.0)
         disable_dropout(self)
 
-    def forward(self, input_ids: torch.Tensor, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, T) ids -> logits (B, T, V) and values (B, T)."""
-        hidden = self.lm.base_model(**masked_inputs(input_ids, pad_id)).last_hidden_state  # (B, T, H)
-        logits = self.lm.get_output_embeddings()(hidden)[..., : self.vocab_size]  # (B, T, V)
+    def forward(self, input_ids: torch.Tensor, pad_id: int, positions: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, T) ids -> logits (B, T', V) and values (B, T') at `positions` (default: all T).
+
+        Only those positions go through the output layer: predicting the responses of a PPO batch
+        needs the last context position onwards, and the vocabulary-wide logits of the query
+        positions would cost as much as the rest of the layer (SmolLM2's 49152 ids).
+        """
+        hidden = self.lm.base_model(**masked_inputs(input_ids, pad_id)).last_hidden_state[:, positions]  # (B, T', H)
+        logits = self.lm.get_output_embeddings()(hidden)[..., : self.vocab_size]  # (B, T', V)
         return logits, self.value_head(hidden).squeeze(-1)
 
 

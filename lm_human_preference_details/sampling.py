@@ -30,7 +30,7 @@ def sample_responses(
     inputs = masked_inputs(queries, pad_id)
     mask = inputs["attention_mask"]
     next_position = mask.sum(dim=1, keepdim=True)  # (B, 1): real tokens so far
-    out = lm(**inputs, use_cache=True)
+    out = lm(**inputs, use_cache=True, logits_to_keep=1)  # the queries' other positions predict nothing we sample
     tokens, logprobs = [], []
     for step in range(response_length):
         logits = out.logits[:, -1, :vocab_size].float() / temperature  # OAI: lm_human_preferences/policy.py#L121

@@ -154,9 +154,8 @@ def forward_responses(model, contexts: torch.Tensor, responses: torch.Tensor, pa
     Position t of the response is predicted from position Q-1+t (# OAI: lm_human_preferences/policy.py#L114-L124).
     """
     context_length = contexts.shape[1]
-    logits, values = model(torch.cat([contexts, responses], dim=1), pad_id)
-    logits = logits[:, context_length - 1 : -1].float() / temperature  # OAI: lm_human_preferences/policy.py#L121
-    return logits, values[:, context_length - 1 : -1]
+    logits, values = model(torch.cat([contexts, responses], dim=1), pad_id, positions=slice(context_length - 1, -1))
+    return logits.float() / temperature, values  # OAI: lm_human_preferences/policy.py#L121
 
 
 def train(args: Args, accelerator) -> tuple[PolicyAndValue, ppo.AdaptiveKLController | ppo.FixedKLController]:

@@ -93,6 +93,18 @@ def test_policy_logits_and_values_ignore_left_padding(policy, pad_id):
 
 
 @torch.no_grad()
+def test_policy_at_positions_is_the_full_forward_sliced(policy, pad_id):
+    """`positions` passes only those positions through the output layer: the same logits and values."""
+    ids = pad_left(real_sequences([5, 12, 1, 9], policy.lm.config.vocab_size, seed=2), 14, pad_id)
+    logits, values = policy(ids, pad_id)
+    for positions in (slice(7, -1), slice(13, None), slice(None)):
+        sliced_logits, sliced_values = policy(ids, pad_id, positions)
+        assert sliced_logits.shape == logits[:, positions].shape
+        torch.testing.assert_close(sliced_logits, logits[:, positions], rtol=0, atol=ATOL)
+        torch.testing.assert_close(sliced_values, values[:, positions], rtol=0, atol=ATOL)
+
+
+@torch.no_grad()
 def test_policy_pads_between_query_and_suffix_change_nothing(policy, pad_id):
     """OAI right-pads the query and appends the suffix after the pads (lm_tasks.py#L68-L79)."""
     vocab = policy.lm.config.vocab_size

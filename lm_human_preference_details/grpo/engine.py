@@ -209,7 +209,8 @@ class Engine:
             ids[row, length - len(prompt):] = torch.tensor(prompt, device=self.device)
             mask[row, length - len(prompt):] = 1
         positions = (mask.cumsum(1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        # left-padded: every prompt ends at the last column, the only logits sampled from
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
         self.stats["prefill_tokens"] += int(mask.sum())
         rows = torch.tensor(rows, device=self.device)
         first = self._batch.rows

@@ -106,7 +106,9 @@ def token_logprobs(model, batch: dict, temperature: float, vocab_size: int) -> t
     server's are. A group's prompt goes through the model once, not once per attempt: its keys and
     values are shared by the group's rows (gradients flow back through both passes), the same
     numbers as a forward of each prompt + completion, for a fraction of the work when completions are short."""
-    prompt = model(input_ids=batch["prompt_ids"], attention_mask=batch["prompt_mask"], use_cache=True)
+    # of the prompt positions only the last predicts a completion token: the output layer sees only it
+    last_prompt_position = (batch["prompt_lengths"] - 1)[:, None]
+    prompt = model(input_ids=batch["prompt_ids"], attention_mask=batch["prompt_mask"], use_cache=True, logits_to_keep=last_prompt_position)
     if not all(type(layer) is DynamicLayer for layer in prompt.cache.layers):
         raise NotImplementedError(f"{type(model).__name__} has sliding-window or linear-attention layers: the trainer shares a "
                                   "prompt's keys and values across its attempts, which needs full-attention layers")
@@ -116,8 +118,7 @@ def token_logprobs(model, batch: dict, temperature: float, vocab_size: int) -> t
     positions = batch["prompt_lengths"][row, None] + torch.arange(completion_length, device=row.device)
     attention = torch.cat([batch["prompt_mask"][row], batch["mask"].long()], dim=1)
     completion = model(input_ids=batch["completion_ids"], attention_mask=attention, position_ids=positions, cache=cache)
-    last_prompt_logits = prompt.logits[torch.arange(len(prompt.logits), device=row.device), batch["prompt_lengths"] - 1]
-    logits = torch.cat([last_prompt_logits[row, None], completion.logits[:, :-1]], dim=1)[..., :vocab_size]
+    logits = torch.cat([prompt.logits[row], completion.logits[:, :-1]], dim=1)[..., :vocab_size]
     # bf16 logits are upcast for the softmax; a float64 model's stay float64
     logprobs = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, dim=-1)
     taken = logprobs.gather(2, batch["completion_ids"][..., None])[..., 0]

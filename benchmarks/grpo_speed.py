@@ -7,7 +7,10 @@ Runs `grpo.launch` in `pipeline` mode and in `sync` mode for each G of `--sync-s
 times in interleaved order (so that a slow spell of the machine hits every schedule alike), and
 prints per schedule the median samples/s, tokens/s and mean lag, and the ratio pipeline / sync.
 When the preset sends its weight updates in buckets (`--update-bucket-mb`), the pipeline also runs
-with one broadcast per tensor (PipelineRL's way), as a row of its own.
+with one broadcast per tensor (PipelineRL's way), as a row of its own. The pipeline also runs at the
+`--steps-ahead` of `--pipeline-steps-ahead` (how far the actor may run ahead of the trainer sets its
+lag), and a second table compares each sync schedule with the fastest pipeline row whose mean lag
+(steps after the first fifth) is no larger: the speed-up at the same on-policyness or better.
 Then the weight update itself for each of `--update-models`: a server generating at full batch, the
 trainer's broadcast (announce, then one broadcast per tensor or per bucket, until received) and the
 server's pause (decoding stopped for the swap), median over `--updates` updates each way.
@@ -59,6 +62,10 @@ class Args:
     """the weight update is timed one broadcast per tensor and with buckets of this many MiB"""
     per_tensor_row: bool = True
     """when the preset sends its updates in buckets, also run the pipeline with one broadcast per tensor"""
+    pipeline_steps_ahead: list[int] = field(default_factory=lambda: [2, 6])
+    """also run the pipeline at these `--steps-ahead` (the preset's own is the `pipeline` row): how far the
+    actor runs ahead sets the pipeline's lag, so that each sync schedule is compared with the fastest
+    pipeline that is at least as on-policy (the table at matched lag)"""
     one_thread_row: bool = True
     """also run the first sync schedule with one torch thread per process (the default before a2ae5e3,
     which leaves a core idle in each of its phases): what sync mode's threads are worth"""
@@ -92,9 +99,12 @@ class Args:
 
 
 def schedules(args: Args) -> list[tuple[str, list[str]]]:
+    settings = run_settings(args)
     pipeline = [("pipeline", ["--mode", "pipeline"])]
-    if args.per_tensor_row and run_settings(args).update_bucket_mb:
+    if args.per_tensor_row and settings.update_bucket_mb:
         pipeline.append(("pipeline, per-tensor updates", ["--mode", "pipeline", "--update-bucket-mb", "0"]))
+    pipeline += [(f"pipeline, {n} steps ahead", ["--mode", "pipeline", "--steps-ahead", str(n)])
+                 for n in args.pipeline_steps_ahead if n != settings.steps_ahead]
     sync = [(f"sync G={g}", ["--mode", "sync", "--sync-steps", str(g)]) for g in args.sync_steps]
     if args.one_thread_row:
         sync.append((f"sync G={args.sync_steps[0]}, one thread per process", [*sync[0][1], "--threads", "1"]))
@@ -117,7 +127,9 @@ def run_schedule(args: Args, name: str, flags: list[str], repeat: int) -> dict:
     return {
         "samples_per_s": rows[-1]["samples"] / elapsed, "tokens_per_s": tokens / elapsed,
         "s_per_step": (elapsed - (rows[warm - 1]["time/elapsed_s"] if warm else 0.0)) / (len(rows) - warm),
-        "lag_mean": statistics.fmean(r["lag/mean"] for r in rows), "success_last_20": statistics.fmean(r["success/rate"] for r in rows[-20:]),
+        "lag_mean": statistics.fmean(r["lag/mean"] for r in rows),
+        "lag_steady": statistics.fmean(r["lag/mean"] for r in rows[warm:] or rows),  # what the schedule holds once under way
+        "success_last_20": statistics.fmean(r["success/rate"] for r in rows[-20:]),
         "wait_data_s": sum(r["time/wait_data_s"] for r in rows), "elapsed_s": elapsed,
     }
 
@@ -244,7 +256,7 @@ def raw_step_times(args: Args) -> list[float]:
         prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
         with torch.no_grad():
             mask, positions = prompt_mask, (prompt_mask.cumsum(1) - 1).clamp(min=0)
-            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
             tokens = []
             for t in range(settings.max_tokens):
                 logprobs = torch.log_softmax(out.logits[:, -1, :vocab].float() / settings.temperature, -1)
@@ -263,8 +275,9 @@ def raw_step_times(args: Args) -> list[float]:
             rewards.append(math_reward(settings.answer_prefix + text, problem.answer) if reward is None else reward)
         advantages = group_advantages(torch.tensor(rewards, device=device), n, settings.baseline, settings.divide_by_std)
         full_mask = torch.cat([prompt_mask, valid], 1)
-        logits = model(input_ids=torch.cat([ids, completions], 1), attention_mask=full_mask,
-                       position_ids=(full_mask.cumsum(1) - 1).clamp(min=0)).logits[:, width - 1 : -1, :vocab]
+        predicting = torch.arange(width - 1, full_mask.shape[1] - 1, device=device)  # the positions before each completion token
+        logits = model(input_ids=torch.cat([ids, completions], 1), attention_mask=full_mask, position_ids=(full_mask.cumsum(1) - 1).clamp(min=0),
+                       logits_to_keep=predicting).logits[..., :vocab]
         logprobs = logprobs_of(logits, completions, settings.temperature)
         loss, _ = policy_loss(logprobs, logprobs.detach(), advantages, valid, num_sequences=len(batch),
                               loss_type=settings.loss_type, ratio_cap=settings.ratio_cap, clip_eps=settings.clip_eps)
@@ -356,6 +369,7 @@ def markdown(args: Args, runs: dict[str, list[dict]], updates: list[dict], scale
         per_round = " / ".join(f"{p['samples_per_s'] / r['samples_per_s']:.2f}" for p, r in zip(runs["pipeline"], runs[name]))
         lines.append(f"| {name} | {m['samples_per_s']:.0f} | {tokens} | {per_sample} | {m['lag_mean']:.2f} | {success} | "
                      f"{pipeline['samples_per_s'] / m['samples_per_s']:.2f}x | {per_round} |")
+    lines += matched_lag(runs, med)
     if updates:
         lines += ["", "Weight update while the server decodes (median of the timed updates; trainer broadcast = "
                   "announce until received, server pause = decoding stopped for the swap):", "",
@@ -373,6 +387,28 @@ def markdown(args: Args, runs: dict[str, list[dict]], updates: list[dict], scale
         for row in scaled:
             lines.append(f"| {row['batch']} | {row['tokens']} | {row[pipeline]:.3f} | {row[sync]:.3f} | {row[sync] / row[pipeline]:.2f}x |")
     return "\n".join(lines) + "\n"
+
+
+def matched_lag(runs: dict[str, list[dict]], med: dict[str, dict]) -> list[str]:
+    """Each sync schedule against the fastest pipeline row whose steady-state mean lag is no larger:
+    the speed-up at the same on-policyness (or better)."""
+    syncs = [name for name in med if name.startswith("sync") and "lag_steady" in med[name]]
+    if not syncs:
+        return []
+    lines = ["", "At matched on-policyness: each sync schedule against the fastest pipeline row whose mean lag, steps "
+             "after the first fifth, is no larger:", "",
+             "| sync schedule | its lag | pipeline row | its lag | pipeline / sync (samples/s) | per round |", "|---|---|---|---|---|---|"]
+    for sync in syncs:
+        lag = med[sync]["lag_steady"]
+        candidates = [name for name in med if name.startswith("pipeline") and med[name]["lag_steady"] <= lag + 1e-9]
+        if not candidates:
+            lines.append(f"| {sync} | {lag:.2f} | none is as on-policy | - | - | - |")
+            continue
+        best = max(candidates, key=lambda name: med[name]["samples_per_s"])
+        per_round = " / ".join(f"{p['samples_per_s'] / r['samples_per_s']:.2f}" for p, r in zip(runs[best], runs[sync]))
+        lines.append(f"| {sync} | {lag:.2f} | {best} | {med[best]['lag_steady']:.2f} | "
+                     f"{med[best]['samples_per_s'] / med[sync]['samples_per_s']:.2f}x | {per_round} |")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,9 +1,10 @@
 """benchmarks/learning_curves.py in a seconds-long smoke mode: real runs of the stage, CSV and PNGs."""
 
 import csv
-import json
 import importlib.util
+import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -52,10 +53,28 @@ def test_grpo_speed_rows_per_tensor_updates_and_one_thread_sync_are_flag_variant
     names = dict(speed.schedules(speed.Args(task="tiny", sync_steps=[4, 8])))  # tiny sends its updates in buckets
     assert names == {"pipeline": ["--mode", "pipeline"],
                      "pipeline, per-tensor updates": ["--mode", "pipeline", "--update-bucket-mb", "0"],
+                     "pipeline, 2 steps ahead": ["--mode", "pipeline", "--steps-ahead", "2"],
+                     "pipeline, 6 steps ahead": ["--mode", "pipeline", "--steps-ahead", "6"],
                      "sync G=4": ["--mode", "sync", "--sync-steps", "4"], "sync G=8": ["--mode", "sync", "--sync-steps", "8"],
                      "sync G=4, one thread per process": ["--mode", "sync", "--sync-steps", "4", "--threads", "1"]}
     assert "pipeline, per-tensor updates" not in dict(speed.schedules(speed.Args(task="arith")))  # one per tensor already
-    assert list(dict(speed.schedules(speed.Args(per_tensor_row=False, one_thread_row=False, sync_steps=[4])))) == ["pipeline", "sync G=4"]
+    assert list(dict(speed.schedules(speed.Args(per_tensor_row=False, one_thread_row=False, sync_steps=[4], pipeline_steps_ahead=[4]))
+                     )) == ["pipeline", "sync G=4"]  # 4: the preset's own, the `pipeline` row
+
+
+def test_grpo_speed_compares_each_sync_schedule_with_the_fastest_pipeline_at_no_more_lag():
+    speed = load_script("grpo_speed")
+    rounds = {"pipeline": [(100, 2.9), (120, 2.8)], "pipeline, 2 steps ahead": [(80, 1.4), (90, 1.6)],
+              "pipeline, 6 steps ahead": [(130, 4.1), (150, 4.0)], "sync G=4": [(50, 1.5), (60, 1.5)],
+              "sync G=8": [(70, 3.5), (60, 3.5)], "sync G=2": [(40, 0.5), (40, 0.5)]}
+    runs = {name: [{"samples_per_s": s, "lag_steady": lag} for s, lag in rs] for name, rs in rounds.items()}
+    med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
+    rows = {line.split(" | ")[0].strip("| "): line for line in speed.matched_lag(runs, med) if line.startswith("| sync")}
+    # G=4 (lag 1.5): only the 2-ahead pipeline (median lag 1.5) is as on-policy; G=8: the 4-ahead one
+    # is, and is faster than the 2-ahead; the 6-ahead one is faster still but lags more
+    assert rows["sync G=4"] == "| sync G=4 | 1.50 | pipeline, 2 steps ahead | 1.50 | 1.55x | 1.60 / 1.50 |"
+    assert rows["sync G=8"] == "| sync G=8 | 3.50 | pipeline | 2.85 | 1.69x | 1.43 / 2.00 |"
+    assert rows["sync G=2"] == "| sync G=2 | 0.50 | none is as on-policy | - | - | - |"
 
 
 @pytest.mark.slow
@@ -152,7 +171,7 @@ def test_gpu_sh_writes_every_speed_table_of_ppo_speed_and_grpo_speed(tmp_path):
     assert scaled["batch_size"] == 8 and scaled["response_length"] == 8 and scaled["ours"] > 0 and scaled["raw"] > 0
 
     grpo = json.loads((out / "grpo_speed" / "results.json").read_text())
-    assert set(grpo["runs"]) == {"pipeline", "sync G=4", "raw compute (one process)"} | (
+    assert set(grpo["runs"]) == {"pipeline", "pipeline, 2 steps ahead", "sync G=4", "raw compute (one process)"} | (
         {"trl GRPOTrainer"} if trl116_python else set())
     for name, (run,) in grpo["runs"].items():
         assert run["samples_per_s"] > 0 and ("tokens_per_s" not in run or 0 < run["tokens_per_s"] <= 4 * run["samples_per_s"]), name
@@ -165,7 +184,7 @@ def test_gpu_sh_writes_every_speed_table_of_ppo_speed_and_grpo_speed(tmp_path):
     assert scaled["batch"] == 16 and scaled["tokens"] == 3 and scaled["pipeline"] > 0 and scaled["sync G=4"] > 0
     table = (out / "grpo_speed" / "results.md").read_text()
     assert "| pipeline |" in table and "| sync G=4 |" in table and "| tiny-math | 0.1M | 28 (one per tensor) |" in table
-    assert "| 16 | 3 |" in table
+    assert "| 16 | 3 |" in table and "At matched on-policyness" in table
     if trl116_python:
         assert grpo["runs"]["trl GRPOTrainer"][0]["lag_mean"] == 0 and "| trl GRPOTrainer |" in table
     missing = [name for name, python in (("LMHPD_TRL_PYTHON", trl_python), ("LMHPD_TRL116_PYTHON", trl116_python)) if not python]

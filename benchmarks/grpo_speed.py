@@ -63,7 +63,8 @@ class Args:
     per_tensor_row: bool = True
     """when the preset sends its updates in buckets, also run the pipeline with one broadcast per tensor"""
     pipeline_steps_ahead: list[int] = field(default_factory=lambda: [2, 6])
-    """also run the pipeline at these `--steps-ahead` (the preset's own is the `pipeline` row): how far the
+    """also run the pipeline at these `--steps-ahead` (the run's own, the preset's or one after `--`, is the
+    `pipeline` row): how far the
     actor runs ahead sets the pipeline's lag, so that each sync schedule is compared with the fastest
     pipeline that is at least as on-policy (the table at matched lag)"""
     one_thread_row: bool = True
@@ -103,12 +104,13 @@ def schedules(args: Args) -> list[tuple[str, list[str]]]:
     pipeline = [("pipeline", ["--mode", "pipeline"])]
     if args.per_tensor_row and settings.update_bucket_mb:
         pipeline.append(("pipeline, per-tensor updates", ["--mode", "pipeline", "--update-bucket-mb", "0"]))
-    pipeline += [(f"pipeline, {n} steps ahead", ["--mode", "pipeline", "--steps-ahead", str(n)])
-                 for n in args.pipeline_steps_ahead if n != settings.steps_ahead]
+    # after the established rows: a run that is stopped early keeps those
+    ahead = [(f"pipeline, {n} steps ahead", ["--mode", "pipeline", "--steps-ahead", str(n)])
+             for n in args.pipeline_steps_ahead if n != settings.steps_ahead]
     sync = [(f"sync G={g}", ["--mode", "sync", "--sync-steps", str(g)]) for g in args.sync_steps]
     if args.one_thread_row:
         sync.append((f"sync G={args.sync_steps[0]}, one thread per process", [*sync[0][1], "--threads", "1"]))
-    return pipeline + sync
+    return pipeline + sync + ahead
 
 
 def run_schedule(args: Args, name: str, flags: list[str], repeat: int) -> dict:
@@ -128,7 +130,9 @@ def run_schedule(args: Args, name: str, flags: list[str], repeat: int) -> dict:
         "samples_per_s": rows[-1]["samples"] / elapsed, "tokens_per_s": tokens / elapsed,
         "s_per_step": (elapsed - (rows[warm - 1]["time/elapsed_s"] if warm else 0.0)) / (len(rows) - warm),
         "lag_mean": statistics.fmean(r["lag/mean"] for r in rows),
-        "lag_steady": statistics.fmean(r["lag/mean"] for r in rows[warm:] or rows),  # what the schedule holds once under way
+        # what the schedule holds once under way, over whole sync rounds (a round's last steps lag most);
+        # a run shorter than that: its steps after the warm-up
+        "lag_steady": statistics.fmean(r["lag/mean"] for r in rows[warm : len(rows) - (len(rows) - warm) % round_steps] or rows[warm:]),
         "success_last_20": statistics.fmean(r["success/rate"] for r in rows[-20:]),
         "wait_data_s": sum(r["time/wait_data_s"] for r in rows), "elapsed_s": elapsed,
     }
@@ -392,14 +396,15 @@ def markdown(args: Args, runs: dict[str, list[dict]], updates: list[dict], scale
 def matched_lag(runs: dict[str, list[dict]], med: dict[str, dict]) -> list[str]:
     """Each sync schedule against the fastest pipeline row whose steady-state mean lag is no larger:
     the speed-up at the same on-policyness (or better)."""
-    syncs = [name for name in med if name.startswith("sync") and "lag_steady" in med[name]]
+    syncs = [name for name in med if name.startswith("sync")]
     if not syncs:
         return []
     lines = ["", "At matched on-policyness: each sync schedule against the fastest pipeline row whose mean lag, steps "
              "after the first fifth, is no larger:", "",
-             "| sync schedule | its lag | pipeline row | its lag | pipeline / sync (samples/s) | per round |", "|---|---|---|---|---|---|"]
+             "| sync schedule | sync lag | pipeline row | pipeline lag | pipeline / sync (samples/s) | per round |", "|---|---|---|---|---|---|"]
     for sync in syncs:
         lag = med[sync]["lag_steady"]
+        # (1e-9: medians of float lags that print equal count as equal)
         candidates = [name for name in med if name.startswith("pipeline") and med[name]["lag_steady"] <= lag + 1e-9]
         if not candidates:
             lines.append(f"| {sync} | {lag:.2f} | none is as on-policy | - | - | - |")

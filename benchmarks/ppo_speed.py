@@ -100,10 +100,10 @@ def raw_update_times(args: Args) -> list[float]:
                 if t + 1 < args.response_length:
                     out = policy.lm(input_ids=tokens[-1], cache=out.cache, use_cache=True)
             ids = torch.cat([queries, *tokens], dim=1)
-            responses = slice(q - 1, -1)  # the positions that predict the response tokens
-            policy(ids, pad_id, responses), reference(ids, pad_id, responses), reward(ids, pad_id)
+            predicting = slice(q - 1, -1)  # the positions that predict the response tokens
+            policy(ids, pad_id, predicting), reference(ids, pad_id, predicting), reward(ids, pad_id)
         for _ in range(args.epochs):
-            logits, values = policy(ids, pad_id, responses)
+            logits, values = policy(ids, pad_id, predicting)
             loss = -logprobs_of(logits, ids[:, q:], 1.0).mean() + values.square().mean()
             loss.backward()
             optimizer.step()

@@ -101,9 +101,10 @@ class PolicyAndValue(nn.Module):
     def forward(self, input_ids: torch.Tensor, pad_id: int, positions: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, T) ids -> logits (B, T', V) and values (B, T') at `positions` (default: all T).
 
-        Only those positions go through the output layer: predicting the responses of a PPO batch
-        needs the last context position onwards, and the vocabulary-wide logits of the query
-        positions would cost as much as the rest of the layer (SmolLM2's 49152 ids).
+        Only those positions go through the output layer, whose cost and memory grow with the
+        positions it sees: of a PPO batch's query + response, the responses are predicted from the
+        last query position through the second-to-last position, and the other query positions
+        predict nothing used (with SmolLM2's 49152 ids the output layer is a fifth of the forward).
         """
         hidden = self.lm.base_model(**masked_inputs(input_ids, pad_id)).last_hidden_state[:, positions]  # (B, T', H)
         logits = self.lm.get_output_embeddings()(hidden)[..., : self.vocab_size]  # (B, T', V)

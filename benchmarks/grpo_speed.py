@@ -64,9 +64,8 @@ class Args:
     """when the preset sends its updates in buckets, also run the pipeline with one broadcast per tensor"""
     pipeline_steps_ahead: list[int] = field(default_factory=lambda: [2, 6])
     """also run the pipeline at these `--steps-ahead` (the run's own, the preset's or one after `--`, is the
-    `pipeline` row): how far the
-    actor runs ahead sets the pipeline's lag, so that each sync schedule is compared with the fastest
-    pipeline that is at least as on-policy (the table at matched lag)"""
+    `pipeline` row): how far the actor runs ahead sets the pipeline's lag, so that each sync schedule is
+    compared with the fastest pipeline that is at least as on-policy (the table at matched lag)"""
     one_thread_row: bool = True
     """also run the first sync schedule with one torch thread per process (the default before a2ae5e3,
     which leaves a core idle in each of its phases): what sync mode's threads are worth"""

@@ -326,6 +326,13 @@ def test_grpo_args_check_names_the_field():
         GRPOArgs(batch_size=60, group_size=8).check()
     with pytest.raises(UserError, match="--steps-ahead must be >= 1"):
         GRPOArgs(steps_ahead=0).check()
+    with pytest.raises(UserError, match="--steps-ahead 2.5 starts 20 problems ahead, which requests of 8 problems cannot split "
+                                        r"\(it would act as 2\): pass a --problems-per-request that divides both 8 and 20"):
+        GRPOArgs(batch_size=64, group_size=8, steps_ahead=2.5, problems_per_request=0).check()
+    with pytest.raises(UserError, match="--steps-ahead 2.3 is 18.4 problems ahead, not a whole number: pass a multiple of 1/8"):
+        GRPOArgs(batch_size=64, group_size=8, steps_ahead=2.3).check()
+    GRPOArgs(batch_size=64, group_size=8, steps_ahead=2.5, problems_per_request=4).check()
+    GRPOArgs(mode="sync", batch_size=64, group_size=8, steps_ahead=2.5, problems_per_request=0).check()  # sync: unused
     with pytest.raises(UserError, match="--problems-per-request 3 must divide the 8 problems of an optimizer step"):
         GRPOArgs(batch_size=64, group_size=8, problems_per_request=3).check()
     with pytest.raises(UserError, match="--problems-per-request must be >= 0, got -1"):
@@ -342,6 +349,17 @@ def test_grpo_args_check_names_the_field():
     if not torch.cuda.is_available():
         with pytest.raises(UserError, match="--weight-backend nccl sends GPU tensors and no GPU is visible; use --weight-backend gloo"):
             GRPOArgs(weight_backend="nccl").check_weight_backend()
+
+
+@pytest.mark.parametrize("mode, lookahead, version, last_allowed", [
+    ("pipeline", 2, 0, 15), ("pipeline", 2.5, 0, 19), ("pipeline", 2.5, 3, 43), ("sync", 2.5, 3, 7 * 8 - 1)])
+def test_the_actor_starts_groups_up_to_its_lookahead_beyond_the_servers_weights(mode, lookahead, version, last_allowed):
+    from lm_human_preference_details.grpo.actor import Actor
+
+    args = GRPOArgs(mode=mode, batch_size=64, group_size=8, steps_ahead=lookahead, sync_steps=4, problems_per_request=4)
+    actor = Actor(args, ["http://127.0.0.1:1", "http://127.0.0.1:2"], problems=[])
+    actor.servers[1].version = version  # the newest weights any server has
+    assert actor.may_start(last_allowed) and not actor.may_start(last_allowed + 1)
 
 
 def test_shared_prompt_forward_refuses_sliding_window_layers():

@@ -75,6 +75,11 @@ class Actor:
         """Answers, and its weights are not left behind (a server the trainer stopped updating)."""
         return server.live() and server.version >= self.weight_version() - self.lookahead
 
+    def may_start(self, group_index: int) -> bool:
+        """Whether group `group_index` may start: it belongs to one of the `lookahead` optimizer steps after
+        the servers' weights (a fractional lookahead: to the first part of the step after those)."""
+        return group_index < (self.weight_version() + self.lookahead) * self.args.groups_per_step()
+
     async def run(self, first_group: int = 0) -> None:
         """Generate groups first_group .. steps * groups_per_step - 1 and write them to the stream."""
         self._changed = asyncio.Condition()
@@ -110,8 +115,7 @@ class Actor:
 
     async def _wait_for_room(self, group_index: int) -> None:
         async with self._changed:
-            await self._changed.wait_for(lambda: self._failure is not None or
-                                         group_index < (self.weight_version() + self.lookahead) * self.args.groups_per_step())
+            await self._changed.wait_for(lambda: self._failure is not None or self.may_start(group_index))
         if self._failure is not None:  # a group failed for good: the trainer would wait for it forever
             raise self._failure
 

@@ -24,10 +24,12 @@ class GRPOArgs(RunArgs):
     `sync`: the conventional schedule, generate `sync_steps` steps of data with frozen weights, then train"""
     sync_steps: int = 4
     """`sync` mode: optimizer steps per generation round (G)"""
-    steps_ahead: int = 3
+    steps_ahead: float = 3
     """`pipeline` mode: the actor starts groups for at most this many optimizer steps beyond the
     servers' weights (bounds the lag: the `tiny` preset's 4 gives a mean lag of about 2.6-2.9, or 2.1-2.3 with
-    24-token completions; 1 leaves the servers idle while the trainer steps)"""
+    24-token completions; 1 leaves the servers idle while the trainer steps). A fraction lets that share of each
+    step's problems start a step earlier (2.5: half of them start as with 3, half as with 2), for a lag between
+    the two; it needs requests that small (`problems_per_request`)"""
 
     # problems and model
     model: str = "tiny-math"
@@ -177,6 +179,15 @@ class GRPOArgs(RunArgs):
             raise UserError(f"--problems-per-request {self.problems_per_request}: {choices} samples in one request (problems x "
                             f"--group-size {self.group_size}), a server takes at most {MAX_CHOICES}: pass one that divides the "
                             f"{self.groups_per_step()} problems of a step into requests of at most {MAX_CHOICES // self.group_size}")
+        ahead_problems = self.steps_ahead * self.groups_per_step()
+        if self.mode == "pipeline" and ahead_problems != int(ahead_problems):
+            raise UserError(f"--steps-ahead {self.steps_ahead} is {ahead_problems:g} problems ahead, not a whole number: pass a "
+                            f"multiple of 1/{self.groups_per_step()} (the problems of a step, batch_size / group_size)")
+        if self.mode == "pipeline" and int(ahead_problems) % self.request_problems():
+            acts_as = int(ahead_problems) // self.request_problems() * self.request_problems() / self.groups_per_step()
+            raise UserError(f"--steps-ahead {self.steps_ahead} starts {int(ahead_problems)} problems ahead, which requests of "
+                            f"{self.request_problems()} problems cannot split (it would act as {acts_as:g}): pass a "
+                            f"--problems-per-request that divides both {self.groups_per_step()} and {int(ahead_problems)}")
         if self.token_budget < 1:
             raise UserError(f"--token-budget must be >= 1, got {self.token_budget}")
 

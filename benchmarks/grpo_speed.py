@@ -29,7 +29,9 @@ servers share them); the raw and TRL rows, one process each, use torch's default
 
 import dataclasses
 import json
+import math
 import os
+import shutil
 import statistics
 import sys
 import threading
@@ -38,7 +40,7 @@ from dataclasses import dataclass, field
 
 import tyro
 
-from lm_human_preference_details.benchmarking import Device, device_env, machine, run_logged, synchronize
+from lm_human_preference_details.benchmarking import Device, busy_cpu_s, device_env, machine, run_logged, synchronize
 from lm_human_preference_details.cli import split_passthrough
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -62,10 +64,11 @@ class Args:
     """the weight update is timed one broadcast per tensor and with buckets of this many MiB"""
     per_tensor_row: bool = True
     """when the preset sends its updates in buckets, also run the pipeline with one broadcast per tensor"""
-    pipeline_steps_ahead: list[int] = field(default_factory=lambda: [2, 6])
+    pipeline_steps_ahead: list[float] = field(default_factory=lambda: [2, 2.5, 6])
     """also run the pipeline at these `--steps-ahead` (the run's own, the preset's or one after `--`, is the
     `pipeline` row): how far the actor runs ahead sets the pipeline's lag, so that each sync schedule is
-    compared with the fastest pipeline that is at least as on-policy (the table at matched lag)"""
+    compared with the fastest pipeline that is at least as on-policy (the table at matched lag). A fraction
+    runs with requests small enough for it (`--problems-per-request`), named in the row"""
     one_thread_row: bool = True
     """also run the first sync schedule with one torch thread per process (the default before a2ae5e3,
     which leaves a core idle in each of its phases): what sync mode's threads are worth"""
@@ -104,27 +107,43 @@ def schedules(args: Args) -> list[tuple[str, list[str]]]:
     if args.per_tensor_row and settings.update_bucket_mb:
         pipeline.append(("pipeline, per-tensor updates", ["--mode", "pipeline", "--update-bucket-mb", "0"]))
     # after the established rows: a run that is stopped early keeps those
-    ahead = [(f"pipeline, {n} steps ahead", ["--mode", "pipeline", "--steps-ahead", str(n)])
-             for n in args.pipeline_steps_ahead if n != settings.steps_ahead]
+    ahead = [pipeline_ahead(settings, n) for n in args.pipeline_steps_ahead if n != settings.steps_ahead]
     sync = [(f"sync G={g}", ["--mode", "sync", "--sync-steps", str(g)]) for g in args.sync_steps]
     if args.one_thread_row:
         sync.append((f"sync G={args.sync_steps[0]}, one thread per process", [*sync[0][1], "--threads", "1"]))
     return pipeline + sync + ahead
 
 
+def pipeline_ahead(settings, steps_ahead: float) -> tuple[str, list[str]]:
+    """The pipeline row at `steps_ahead`; a fraction of a step's problems needs requests of no more problems than
+    that (the largest that divides both it and the run's own requests)."""
+    name, flags = f"pipeline, {steps_ahead:g} steps ahead", ["--mode", "pipeline", "--steps-ahead", f"{steps_ahead:g}"]
+    problems = math.gcd(settings.request_problems(), round(steps_ahead * settings.groups_per_step()))
+    if problems != settings.request_problems():
+        name, flags = f"{name}, requests of {problems} problems", [*flags, "--problems-per-request", str(problems)]
+    dataclasses.replace(settings, mode="pipeline", steps_ahead=steps_ahead, problems_per_request=problems).check()
+    return name, flags
+
+
 def run_schedule(args: Args, name: str, flags: list[str], repeat: int) -> dict:
     out = os.path.join(args.out_dir, name.replace(" ", "_").replace("=", ""), f"run_{repeat}")
     cmd = [sys.executable, "-m", "lm_human_preference_details.grpo.launch", "--task", args.task, "--steps", str(args.steps),
            "--output-dir", out, "--wandb-mode", "disabled", "--save-interval", "0", *args.extra, *flags]  # the row's flags win
+    shutil.rmtree(out, ignore_errors=True)  # a fresh run: SteadyCpu must not count an earlier run's metrics
     os.makedirs(os.path.dirname(out), exist_ok=True)
-    run_logged(cmd, out + ".log", device_env(args.device))  # the launcher's log; the servers' are in out/logs
+    # steps before the steady state (first requests, first updates), whole sync rounds
+    round_steps = int(flags[flags.index("--sync-steps") + 1]) if "--sync-steps" in flags else 1
+    warm = -(-(args.steps // 5) // round_steps) * round_steps
+    cpu = SteadyCpu(os.path.join(out, "metrics.jsonl"), first_row=warm, last_row=args.steps)
+    cpu.start()
+    try:
+        run_logged(cmd, out + ".log", device_env(args.device))  # the launcher's log; the servers' are in out/logs
+    finally:
+        cpu.stop()
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     elapsed = rows[-1]["time/elapsed_s"]
     tokens = sum(r["completion/length"] for r in rows) * rows[-1]["samples"] / len(rows)
-    # steps before the steady state (first requests, first updates), whole sync rounds
-    round_steps = int(flags[flags.index("--sync-steps") + 1]) if "--sync-steps" in flags else 1
-    warm = -(-(len(rows) // 5) // round_steps) * round_steps
     return {
         "samples_per_s": rows[-1]["samples"] / elapsed, "tokens_per_s": tokens / elapsed,
         "s_per_step": (elapsed - (rows[warm - 1]["time/elapsed_s"] if warm else 0.0)) / (len(rows) - warm),
@@ -134,7 +153,46 @@ def run_schedule(args: Args, name: str, flags: list[str], repeat: int) -> dict:
         "lag_steady": statistics.fmean(r["lag/mean"] for r in rows[warm : len(rows) - (len(rows) - warm) % round_steps] or rows[warm:]),
         "success_last_20": statistics.fmean(r["success/rate"] for r in rows[-20:]),
         "wait_data_s": sum(r["time/wait_data_s"] for r in rows), "elapsed_s": elapsed,
+        **cpu.result(rows[-1]["samples"] / len(rows)),
     }
+
+
+class SteadyCpu(threading.Thread):
+    """The machine's CPU over a run's steady state: busy cores and CPU time per sample, from when
+    metrics.jsonl has `first_row` rows to when it has `last_row` (a thread polling the file). Every process
+    counts, so that a schedule's whole cost is there (servers, actor, verifier, trainer); samples/s = cores
+    busy / CPU per sample, the two ways one schedule can be faster than another."""
+
+    def __init__(self, metrics_path: str, first_row: int, last_row: int):
+        super().__init__(daemon=True)
+        self.path, self.rows_at = metrics_path, (first_row, last_row)
+        self.marks: list[tuple[float | None, float, int]] = []  # (busy CPU s, wall s, rows) at each
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        rows, metrics = 0, None
+        while not self.done.is_set() and len(self.marks) < 2:
+            if metrics is None and os.path.exists(self.path):
+                metrics = open(self.path)
+            if metrics is not None:
+                rows += metrics.read().count("\n")  # whole lines only: a line being written counts once it ends
+            while len(self.marks) < 2 and rows >= self.rows_at[len(self.marks)]:
+                self.marks.append((busy_cpu_s(), time.perf_counter(), rows))
+            self.done.wait(0.01)
+        if metrics is not None:
+            metrics.close()
+
+    def stop(self) -> None:
+        self.done.set()
+        self.join()
+
+    def result(self, samples_per_row: float) -> dict:
+        """cores_busy and cpu_ms_per_sample; nothing when the window was not seen or there is no /proc/stat."""
+        if len(self.marks) < 2 or self.marks[0][0] is None or self.marks[1][2] == self.marks[0][2]:
+            return {}
+        (cpu0, wall0, rows0), (cpu1, wall1, rows1) = self.marks
+        return {"cores_busy": (cpu1 - cpu0) / (wall1 - wall0),
+                "cpu_ms_per_sample": (cpu1 - cpu0) * 1e3 / ((rows1 - rows0) * samples_per_row)}
 
 
 def scaling(args: Args) -> list[dict]:
@@ -355,23 +413,26 @@ def run_role(args: Args, role: str, python: str, repeat: int) -> dict:
 
 
 def markdown(args: Args, runs: dict[str, list[dict]], updates: list[dict], scaled: list[dict]) -> str:
-    med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "step_s"} for name, rs in runs.items()}
+    med = {name: {k: statistics.median(r[k] for r in rs if k in r) for k in rs[0] if k != "step_s"} for name, rs in runs.items()}
     pipeline = med["pipeline"]
     flags = f", every launch with `{' '.join(args.extra)}`" if args.extra else ""
     lines = [f"GRPO `{args.task}` preset{flags}, {args.steps} optimizer steps per run, median of {args.repeats} runs per schedule, "
-             f"{machine(args.device)}.", "",
-             "| schedule | samples/s | tokens/s | tokens/sample | mean lag (steps) | success, last 20 steps | "
-             "pipeline / this (samples/s) | per round |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"{machine(args.device)}. Cores busy and CPU per sample: the whole machine's, steps after the first fifth "
+             "(samples/s = cores busy / CPU per sample: a schedule is faster by keeping more cores busy or by spending "
+             "less CPU on a sample).", "",
+             "| schedule | samples/s | tokens/s | tokens/sample | mean lag (steps) | success, last 20 steps | cores busy | "
+             "CPU ms/sample | pipeline / this (samples/s) | per round |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, m in med.items():
-        tokens, success = (f"{m[k]:{fmt}}" if k in m else "-" for k, fmt in (("tokens_per_s", ".0f"), ("success_last_20", ".2f")))
+        tokens, success, cores, cpu = (f"{m[k]:{fmt}}" if k in m else "-" for k, fmt in (
+            ("tokens_per_s", ".0f"), ("success_last_20", ".2f"), ("cores_busy", ".2f"), ("cpu_ms_per_sample", ".2f")))
         # the work a sample cost (completion tokens; runs that learn different lengths do different work),
         # and the ratio within each round of interleaved runs (a round on a slowed machine slows both)
         per_sample = "-" if "tokens_per_s" not in m else \
             f"{statistics.median(r['tokens_per_s'] / r['samples_per_s'] for r in runs[name]):.1f}"
         per_round = " / ".join(f"{p['samples_per_s'] / r['samples_per_s']:.2f}" for p, r in zip(runs["pipeline"], runs[name]))
         lines.append(f"| {name} | {m['samples_per_s']:.0f} | {tokens} | {per_sample} | {m['lag_mean']:.2f} | {success} | "
-                     f"{pipeline['samples_per_s'] / m['samples_per_s']:.2f}x | {per_round} |")
+                     f"{cores} | {cpu} | {pipeline['samples_per_s'] / m['samples_per_s']:.2f}x | {per_round} |")
     lines += matched_lag(runs, med)
     if updates:
         lines += ["", "Weight update while the server decodes (median of the timed updates; trainer broadcast = "

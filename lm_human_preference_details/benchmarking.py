@@ -35,6 +35,18 @@ def synchronize(device) -> None:
         torch.cuda.synchronize()
 
 
+def busy_cpu_s() -> float | None:
+    """Seconds of CPU the machine has spent busy since it booted, all cores and every process together
+    (user, nice, system, irq and softirq time of /proc/stat; steal is the hypervisor's); None without
+    /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in f.readline().split()[1:8])
+    except OSError:
+        return None
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
 def run_logged(cmd: list[str], log_path: str, env: dict[str, str], cwd: str | None = None) -> int:
     """Run `cmd` to the end with its output in `log_path`; its peak RSS in MiB (the kernel's accounting
     of that child). A failure raises with the log's last lines, so a benchmark's log says why."""

@@ -7,6 +7,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -54,12 +55,49 @@ def test_grpo_speed_rows_per_tensor_updates_and_one_thread_sync_are_flag_variant
     assert names == {"pipeline": ["--mode", "pipeline"],
                      "pipeline, per-tensor updates": ["--mode", "pipeline", "--update-bucket-mb", "0"],
                      "pipeline, 2 steps ahead": ["--mode", "pipeline", "--steps-ahead", "2"],
+                     "pipeline, 2.5 steps ahead, requests of 4 problems": ["--mode", "pipeline", "--steps-ahead", "2.5",
+                                                                           "--problems-per-request", "4"],
                      "pipeline, 6 steps ahead": ["--mode", "pipeline", "--steps-ahead", "6"],
                      "sync G=4": ["--mode", "sync", "--sync-steps", "4"], "sync G=8": ["--mode", "sync", "--sync-steps", "8"],
                      "sync G=4, one thread per process": ["--mode", "sync", "--sync-steps", "4", "--threads", "1"]}
     assert "pipeline, per-tensor updates" not in dict(speed.schedules(speed.Args(task="arith")))  # one per tensor already
     assert list(dict(speed.schedules(speed.Args(per_tensor_row=False, one_thread_row=False, sync_steps=[4], pipeline_steps_ahead=[4]))
                      )) == ["pipeline", "sync G=4"]  # 4: the preset's own, the `pipeline` row
+
+
+def wait_for(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
+
+
+def test_grpo_speed_counts_the_machines_cpu_between_two_rows_of_the_metrics(tmp_path):
+    speed = load_script("grpo_speed")
+    metrics = tmp_path / "metrics.jsonl"
+    cpu = speed.SteadyCpu(str(metrics), first_row=2, last_row=4)
+    cpu.start()
+    with open(metrics, "w", buffering=1) as f:
+        f.write("{}\n{}\n")
+        wait_for(lambda: len(cpu.marks) == 1)  # the thread has seen row 2
+        spent = time.process_time()
+        while time.process_time() - spent < 0.3:  # one core busy
+            pass
+        spent = time.process_time() - spent
+        f.write("{}\n{")  # row 3, and row 4 half written: not yet a row
+        time.sleep(0.05)
+        assert len(cpu.marks) == 1
+        f.write("}\n")
+        wait_for(lambda: len(cpu.marks) == 2)
+    cpu.stop()
+    result = cpu.result(samples_per_row=64)
+    assert set(result) == {"cores_busy", "cpu_ms_per_sample"}
+    assert 0.8 <= result["cores_busy"] <= os.cpu_count() + 0.1  # this process's core, and whatever else ran
+    assert result["cpu_ms_per_sample"] >= 0.9 * spent * 1e3 / (2 * 64)
+    unseen = speed.SteadyCpu(str(tmp_path / "none.jsonl"), first_row=2, last_row=4)
+    unseen.start()
+    unseen.stop()
+    assert unseen.result(samples_per_row=64) == {}  # a run that never got there: no numbers rather than wrong ones
 
 
 def test_grpo_speed_compares_each_sync_schedule_with_the_fastest_pipeline_at_no_more_lag():
@@ -178,6 +216,9 @@ def test_gpu_sh_writes_every_speed_table_of_ppo_speed_and_grpo_speed(tmp_path):
     assert "tokens_per_s" in grpo["runs"]["pipeline"][0]
     assert grpo["runs"]["sync G=4"][0]["lag_mean"] == 1.5  # lags 0, 1, 2, 3 twice
     assert grpo["runs"]["sync G=4"][0]["lag_steady"] == 1.5  # after the first round
+    for name in ("pipeline", "sync G=4"):
+        run = grpo["runs"][name][0]
+        assert 0 < run["cores_busy"] <= os.cpu_count() + 0.1 and run["cpu_ms_per_sample"] > 0, name
     (update,) = grpo["updates"]
     assert update["model"] == "tiny-math" and update["tensors"] == 28 and update["broadcasts_bucketed"] == 1
     assert all(update[way]["broadcast_s"] > 0 and update[way]["pause_s"] > 0 for way in ("per_tensor", "bucketed"))

@@ -76,11 +76,11 @@ if [ "${SMOKE:-0}" = 1 ]; then
     limits=(600 600)  # a busy 2-core machine, not the GPU's time budget
     # every table grpo_speed makes, and every kind of row but two flag variants of a launch (per-tensor
     # updates, one thread per process: tests/test_grpo_launch.py runs those): the suite's smoke test of it
-    grpo=(--steps 8 --repeats 1 --sync-steps 4 --pipeline-steps-ahead 2 --updates 2 --no-per-tensor-row --no-one-thread-row
+    grpo=(--steps 8 --repeats 1 --sync-steps 4 --pipeline-steps-ahead 2.5 --updates 2 --no-per-tensor-row --no-one-thread-row
           --scaling --scaling-batches 16 --scaling-tokens 3 --scaling-steps 5 -- --max-tokens 4)
 else  # one process per row (a GPU run varies less than the 2-core CPU's)
     ppo=(--updates 10 --repeats 1 --scaling)
-    grpo=(--steps 100 --repeats 1 --no-per-tensor-row --no-one-thread-row -- --max-tokens 24 --ignore-eos)
+    grpo=(--steps 100 --repeats 1 --no-per-tensor-row --no-one-thread-row --pipeline-steps-ahead 2 6 -- --max-tokens 24 --ignore-eos)
     limits=(170 190)  # seconds per table: with the setup, under the run's 480 s (the device's 15 minutes hold one such run, not two)
 fi
 status=0

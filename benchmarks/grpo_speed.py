@@ -5,7 +5,8 @@
 
 Runs `grpo.launch` in `pipeline` mode and in `sync` mode for each G of `--sync-steps`, `--repeats`
 times in interleaved order (so that a slow spell of the machine hits every schedule alike), and
-prints per schedule the median samples/s, tokens/s and mean lag, and the ratio pipeline / sync.
+prints per schedule the median samples/s, tokens/s, tokens per sample, mean lag, the machine's cores
+busy and CPU time per sample over the steady state (`SteadyCpu`), and the ratio pipeline / sync.
 When the preset sends its weight updates in buckets (`--update-bucket-mb`), the pipeline also runs
 with one broadcast per tensor (PipelineRL's way), as a row of its own. The pipeline also runs at the
 `--steps-ahead` of `--pipeline-steps-ahead` (how far the actor may run ahead of the trainer sets its
@@ -41,7 +42,7 @@ from dataclasses import dataclass, field
 import tyro
 
 from lm_human_preference_details.benchmarking import Device, busy_cpu_s, device_env, machine, run_logged, synchronize
-from lm_human_preference_details.cli import split_passthrough
+from lm_human_preference_details.cli import UserError, main_with_user_errors, split_passthrough
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -117,11 +118,14 @@ def schedules(args: Args) -> list[tuple[str, list[str]]]:
 def pipeline_ahead(settings, steps_ahead: float) -> tuple[str, list[str]]:
     """The pipeline row at `steps_ahead`; a fraction of a step's problems needs requests of no more problems than
     that (the largest that divides both it and the run's own requests)."""
-    name, flags = f"pipeline, {steps_ahead:g} steps ahead", ["--mode", "pipeline", "--steps-ahead", f"{steps_ahead:g}"]
+    name, flags = f"pipeline, {steps_ahead:.12g} steps ahead", ["--mode", "pipeline", "--steps-ahead", f"{steps_ahead:.12g}"]
     problems = math.gcd(settings.request_problems(), round(steps_ahead * settings.groups_per_step()))
     if problems != settings.request_problems():
         name, flags = f"{name}, requests of {problems} problems", [*flags, "--problems-per-request", str(problems)]
-    dataclasses.replace(settings, mode="pipeline", steps_ahead=steps_ahead, problems_per_request=problems).check()
+    try:
+        dataclasses.replace(settings, mode="pipeline", steps_ahead=steps_ahead, problems_per_request=problems).check()
+    except UserError as error:
+        raise UserError(f"--pipeline-steps-ahead {steps_ahead:.12g}: {error}") from None
     return name, flags
 
 
@@ -134,7 +138,7 @@ def run_schedule(args: Args, name: str, flags: list[str], repeat: int) -> dict:
     # steps before the steady state (first requests, first updates), whole sync rounds
     round_steps = int(flags[flags.index("--sync-steps") + 1]) if "--sync-steps" in flags else 1
     warm = -(-(args.steps // 5) // round_steps) * round_steps
-    cpu = SteadyCpu(os.path.join(out, "metrics.jsonl"), first_row=warm, last_row=args.steps)
+    cpu = SteadyCpu(os.path.join(out, "metrics.jsonl"), first_row=max(warm, 1), last_row=args.steps)  # after start-up
     cpu.start()
     try:
         run_logged(cmd, out + ".log", device_env(args.device))  # the launcher's log; the servers' are in out/logs
@@ -171,13 +175,16 @@ class SteadyCpu(threading.Thread):
 
     def run(self) -> None:
         rows, metrics = 0, None
-        while not self.done.is_set() and len(self.marks) < 2:
+        while True:  # a last look after stop(): a starved thread still sees the last row (late, not never)
+            stopping = self.done.is_set()
             if metrics is None and os.path.exists(self.path):
                 metrics = open(self.path)
             if metrics is not None:
                 rows += metrics.read().count("\n")  # whole lines only: a line being written counts once it ends
             while len(self.marks) < 2 and rows >= self.rows_at[len(self.marks)]:
                 self.marks.append((busy_cpu_s(), time.perf_counter(), rows))
+            if stopping or len(self.marks) == 2:
+                break
             self.done.wait(0.01)
         if metrics is not None:
             metrics.close()
@@ -413,13 +420,14 @@ def run_role(args: Args, role: str, python: str, repeat: int) -> dict:
 
 
 def markdown(args: Args, runs: dict[str, list[dict]], updates: list[dict], scaled: list[dict]) -> str:
-    med = {name: {k: statistics.median(r[k] for r in rs if k in r) for k in rs[0] if k != "step_s"} for name, rs in runs.items()}
+    med = {name: {k: statistics.median(r[k] for r in rs if k in r) for k in dict.fromkeys(k for r in rs for k in r) if k != "step_s"}
+           for name, rs in runs.items()}
     pipeline = med["pipeline"]
     flags = f", every launch with `{' '.join(args.extra)}`" if args.extra else ""
     lines = [f"GRPO `{args.task}` preset{flags}, {args.steps} optimizer steps per run, median of {args.repeats} runs per schedule, "
              f"{machine(args.device)}. Cores busy and CPU per sample: the whole machine's, steps after the first fifth "
-             "(samples/s = cores busy / CPU per sample: a schedule is faster by keeping more cores busy or by spending "
-             "less CPU on a sample).", "",
+             "(there, samples/s = 1000 x cores busy / CPU ms per sample: a schedule is faster by keeping more cores busy "
+             "or by spending less CPU on a sample).", "",
              "| schedule | samples/s | tokens/s | tokens/sample | mean lag (steps) | success, last 20 steps | cores busy | "
              "CPU ms/sample | pipeline / this (samples/s) | per round |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -518,4 +526,4 @@ def save(args: Args, runs: dict[str, list[dict]], updates: list[dict], scaled: l
 
 
 if __name__ == "__main__":
-    main()
+    main_with_user_errors(main)()

@@ -81,18 +81,17 @@ def test_grpo_speed_counts_the_machines_cpu_between_two_rows_of_the_metrics(tmp_
         f.write("{}\n{}\n")
         wait_for(lambda: len(cpu.marks) == 1)  # the thread has seen row 2
         spent = time.process_time()
-        while time.process_time() - spent < 0.3:  # one core busy
+        while time.process_time() - spent < 1.0:  # one core busy
             pass
         spent = time.process_time() - spent
         f.write("{}\n{")  # row 3, and row 4 half written: not yet a row
         time.sleep(0.05)
         assert len(cpu.marks) == 1
         f.write("}\n")
-        wait_for(lambda: len(cpu.marks) == 2)
-    cpu.stop()
+    cpu.stop()  # at once: the thread's last look still sees row 4
     result = cpu.result(samples_per_row=64)
     assert set(result) == {"cores_busy", "cpu_ms_per_sample"}
-    assert 0.8 <= result["cores_busy"] <= os.cpu_count() + 0.1  # this process's core, and whatever else ran
+    assert 0.5 <= result["cores_busy"] <= os.cpu_count() + 0.1  # this process's core, and whatever else ran
     assert result["cpu_ms_per_sample"] >= 0.9 * spent * 1e3 / (2 * 64)
     unseen = speed.SteadyCpu(str(tmp_path / "none.jsonl"), first_row=2, last_row=4)
     unseen.start()
@@ -209,13 +208,15 @@ def test_gpu_sh_writes_every_speed_table_of_ppo_speed_and_grpo_speed(tmp_path):
     assert scaled["batch_size"] == 8 and scaled["response_length"] == 8 and scaled["ours"] > 0 and scaled["raw"] > 0
 
     grpo = json.loads((out / "grpo_speed" / "results.json").read_text())
-    assert set(grpo["runs"]) == {"pipeline", "pipeline, 2 steps ahead", "sync G=4", "raw compute (one process)"} | (
+    assert set(grpo["runs"]) == {"pipeline", "pipeline, 2.5 steps ahead, requests of 4 problems", "sync G=4",
+                                 "raw compute (one process)"} | (
         {"trl GRPOTrainer"} if trl116_python else set())
     for name, (run,) in grpo["runs"].items():
         assert run["samples_per_s"] > 0 and ("tokens_per_s" not in run or 0 < run["tokens_per_s"] <= 4 * run["samples_per_s"]), name
     assert "tokens_per_s" in grpo["runs"]["pipeline"][0]
     assert grpo["runs"]["sync G=4"][0]["lag_mean"] == 1.5  # lags 0, 1, 2, 3 twice
     assert grpo["runs"]["sync G=4"][0]["lag_steady"] == 1.5  # after the first round
+    assert 0 < grpo["runs"]["pipeline, 2.5 steps ahead, requests of 4 problems"][0]["lag_mean"] < grpo["runs"]["pipeline"][0]["lag_mean"]
     for name in ("pipeline", "sync G=4"):
         run = grpo["runs"][name][0]
         assert 0 < run["cores_busy"] <= os.cpu_count() + 0.1 and run["cpu_ms_per_sample"] > 0, name

@@ -333,6 +333,9 @@ def test_grpo_args_check_names_the_field():
         GRPOArgs(batch_size=64, group_size=8, steps_ahead=2.3).check()
     GRPOArgs(batch_size=64, group_size=8, steps_ahead=2.5, problems_per_request=4).check()
     GRPOArgs(mode="sync", batch_size=64, group_size=8, steps_ahead=2.5, problems_per_request=0).check()  # sync: unused
+    assert GRPOArgs(batch_size=24, group_size=8, steps_ahead=7 / 3, problems_per_request=1).problems_ahead() == 7  # 7.000000000000001
+    with pytest.raises(UserError, match="--steps-ahead nan is nan problems ahead"):
+        GRPOArgs(steps_ahead=float("nan")).check()
     with pytest.raises(UserError, match="--problems-per-request 3 must divide the 8 problems of an optimizer step"):
         GRPOArgs(batch_size=64, group_size=8, problems_per_request=3).check()
     with pytest.raises(UserError, match="--problems-per-request must be >= 0, got -1"):

@@ -63,6 +63,7 @@ class Actor:
         self.servers = [ServerState(url.rstrip("/")) for url in server_urls]
         self.problems = problems
         self.lookahead = args.steps_ahead if args.mode == "pipeline" else args.sync_steps
+        self.problems_ahead = args.problems_ahead()
         self._changed: asyncio.Condition | None = None
         self._failure: BaseException | None = None
         self._verifier: concurrent.futures.Executor | None = None
@@ -72,13 +73,14 @@ class Actor:
         return max(s.version for s in self.servers)
 
     def usable(self, server: ServerState) -> bool:
-        """Answers, and its weights are not left behind (a server the trainer stopped updating)."""
+        """Answers, and its weights are not left behind (a server the trainer stopped updating; with a fractional
+        lookahead, more than its whole steps behind)."""
         return server.live() and server.version >= self.weight_version() - self.lookahead
 
     def may_start(self, group_index: int) -> bool:
         """Whether group `group_index` may start: it belongs to one of the `lookahead` optimizer steps after
-        the servers' weights (a fractional lookahead: to the first part of the step after those)."""
-        return group_index < (self.weight_version() + self.lookahead) * self.args.groups_per_step()
+        the servers' weights (a fractional lookahead: or to the first part of the step after those)."""
+        return group_index < self.weight_version() * self.args.groups_per_step() + self.problems_ahead
 
     async def run(self, first_group: int = 0) -> None:
         """Generate groups first_group .. steps * groups_per_step - 1 and write them to the stream."""

@@ -1,6 +1,7 @@
 """The arguments of a GRPO run (shared by launch, trainer and actor) and its `--task` presets."""
 
 import copy
+import math
 import os
 import random
 from dataclasses import dataclass, field
@@ -143,6 +144,24 @@ class GRPOArgs(RunArgs):
         """Problems in one completion request: `problems_per_request`, or when 0 an optimizer step's."""
         return self.problems_per_request or self.groups_per_step()
 
+    def problems_ahead(self) -> int:
+        """How many problems beyond the servers' weights the actor may start: `steps_ahead` steps' (`pipeline`)
+        or `sync_steps` steps' (`sync`). A UserError when a fractional `steps_ahead` is no whole number of
+        problems, or is one that the requests (`request_problems()` problems each) cannot split."""
+        if self.mode == "sync":
+            return self.sync_steps * self.groups_per_step()
+        problems = self.steps_ahead * self.groups_per_step()
+        if not math.isfinite(problems) or abs(problems - round(problems)) > 1e-6:
+            raise UserError(f"--steps-ahead {self.steps_ahead!r} is {problems:.6g} problems ahead, not a whole number: pass a "
+                            f"multiple of 1/{self.groups_per_step()} (the problems of a step, batch_size / group_size)")
+        problems = round(problems)
+        if problems % self.request_problems():
+            acts_as = problems // self.request_problems() * self.request_problems() / self.groups_per_step()
+            raise UserError(f"--steps-ahead {self.steps_ahead!r} starts {problems} problems ahead, which requests of "
+                            f"{self.request_problems()} problems cannot split (it would act as {acts_as:g}): pass a "
+                            f"--problems-per-request that divides both {self.groups_per_step()} and {problems}")
+        return problems
+
     def torch_threads(self, role: Literal["server", "trainer"]) -> int:
         """`threads`, or when 0 the share of the cores that this mode gives each server or the trainer."""
         if self.threads:
@@ -179,15 +198,8 @@ class GRPOArgs(RunArgs):
             raise UserError(f"--problems-per-request {self.problems_per_request}: {choices} samples in one request (problems x "
                             f"--group-size {self.group_size}), a server takes at most {MAX_CHOICES}: pass one that divides the "
                             f"{self.groups_per_step()} problems of a step into requests of at most {MAX_CHOICES // self.group_size}")
-        ahead_problems = self.steps_ahead * self.groups_per_step()
-        if self.mode == "pipeline" and ahead_problems != int(ahead_problems):
-            raise UserError(f"--steps-ahead {self.steps_ahead} is {ahead_problems:g} problems ahead, not a whole number: pass a "
-                            f"multiple of 1/{self.groups_per_step()} (the problems of a step, batch_size / group_size)")
-        if self.mode == "pipeline" and int(ahead_problems) % self.request_problems():
-            acts_as = int(ahead_problems) // self.request_problems() * self.request_problems() / self.groups_per_step()
-            raise UserError(f"--steps-ahead {self.steps_ahead} starts {int(ahead_problems)} problems ahead, which requests of "
-                            f"{self.request_problems()} problems cannot split (it would act as {acts_as:g}): pass a "
-                            f"--problems-per-request that divides both {self.groups_per_step()} and {int(ahead_problems)}")
+        if self.mode == "pipeline":
+            self.problems_ahead()  # a fraction of a step that the problems or the requests cannot split: refused
         if self.token_budget < 1:
             raise UserError(f"--token-budget must be >= 1, got {self.token_budget}")
 

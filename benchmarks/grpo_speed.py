@@ -118,6 +118,8 @@ def schedules(args: Args) -> list[tuple[str, list[str]]]:
 def pipeline_ahead(settings, steps_ahead: float) -> tuple[str, list[str]]:
     """The pipeline row at `steps_ahead`; a fraction of a step's problems needs requests of no more problems than
     that (the largest that divides both it and the run's own requests)."""
+    if not math.isfinite(steps_ahead):
+        raise UserError(f"--pipeline-steps-ahead {steps_ahead}: pass a number of steps, e.g. 2.5")
     name, flags = f"pipeline, {steps_ahead:.12g} steps ahead", ["--mode", "pipeline", "--steps-ahead", f"{steps_ahead:.12g}"]
     problems = math.gcd(settings.request_problems(), round(steps_ahead * settings.groups_per_step()))
     if problems != settings.request_problems():
@@ -164,8 +166,8 @@ def run_schedule(args: Args, name: str, flags: list[str], repeat: int) -> dict:
 class SteadyCpu(threading.Thread):
     """The machine's CPU over a run's steady state: busy cores and CPU time per sample, from when
     metrics.jsonl has `first_row` rows to when it has `last_row` (a thread polling the file). Every process
-    counts, so that a schedule's whole cost is there (servers, actor, verifier, trainer); samples/s = cores
-    busy / CPU per sample, the two ways one schedule can be faster than another."""
+    counts, so that a schedule's whole cost is there (servers, actor, verifier, trainer); over the window,
+    samples/s = cores busy / CPU seconds per sample: the two ways one schedule can be faster than another."""
 
     def __init__(self, metrics_path: str, first_row: int, last_row: int):
         super().__init__(daemon=True)

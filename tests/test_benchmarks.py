@@ -63,6 +63,10 @@ def test_grpo_speed_rows_per_tensor_updates_and_one_thread_sync_are_flag_variant
     assert "pipeline, per-tensor updates" not in dict(speed.schedules(speed.Args(task="arith")))  # one per tensor already
     assert list(dict(speed.schedules(speed.Args(per_tensor_row=False, one_thread_row=False, sync_steps=[4], pipeline_steps_ahead=[4]))
                      )) == ["pipeline", "sync G=4"]  # 4: the preset's own, the `pipeline` row
+    from lm_human_preference_details.cli import UserError
+
+    with pytest.raises(UserError, match="--pipeline-steps-ahead 2.3: --steps-ahead 2.3 is 18.4 problems ahead, not a whole number"):
+        speed.schedules(speed.Args(task="tiny", pipeline_steps_ahead=[2.3]))  # before any run
 
 
 def wait_for(condition, timeout_s: float = 10.0) -> None:

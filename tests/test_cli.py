@@ -11,7 +11,7 @@ from conftest import accelerate_two_processes
 
 # one DDP step through the stage scripts' own accelerator and entry-point wrapper, then the native threads left
 DDP_STEP_THEN_LIST_THREADS = """
-import json, os, sys, torch
+import json, os, sys, time, torch
 from lm_human_preference_details import cli
 
 @cli.main_with_user_errors
@@ -23,7 +23,17 @@ def main():
     optimizer.step()
 
 main()
-threads = [open(f"/proc/self/task/{task}/comm").read().strip() for task in os.listdir("/proc/self/task")]
+
+def native_threads():
+    return [open(f"/proc/self/task/{task}/comm").read().strip() for task in os.listdir("/proc/self/task")]
+
+# gloo's tcp loop thread sometimes ends a moment after destroy_process_group returns (1 run in hundreds):
+# a group kept alive keeps it for good, so the list is taken once no gloo thread is left, or after 5 s
+deadline = time.monotonic() + 5
+threads = native_threads()
+while any("gloo" in name for name in threads) and time.monotonic() < deadline:
+    time.sleep(0.01)
+    threads = native_threads()
 with open(os.path.join(sys.argv[1], f"threads{os.environ['RANK']}.json"), "w") as f:
     json.dump(threads, f)
 """

@@ -27,6 +27,19 @@ def full_forward_logprobs(model, prompt_ids, token_ids, temperature, vocab_size)
     return logprobs.gather(1, torch.tensor(token_ids)[:, None])[:, 0]
 
 
+def test_a_temperature_that_would_turn_the_batch_into_nan_is_refused_before_it_is_queued(tiny_math):
+    model, tokenizer = tiny_math
+    engine = Engine(model, max_batch_size=4, seed=0, vocab_size=len(tokenizer)).start()
+    try:
+        prompt = tokenizer(tiny_math_prompt(1, 2))["input_ids"]
+        for temperature in (1e-50, 0.0, float("nan")):  # 1e-50 is 0 in float32: logits / 0
+            with pytest.raises(ValueError, match=r"temperature .*: expected a finite number >= 0.0001"):
+                engine.submit(GenerationRequest(prompt, max_new_tokens=2, temperature=temperature))
+        assert len(engine.submit(GenerationRequest(prompt, max_new_tokens=2, temperature=1e-4)).result(timeout=60).token_ids) >= 1
+    finally:
+        engine.stop()
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_logprobs_are_those_of_a_full_forward_pass(tiny_math, temperature):
     model, tokenizer = tiny_math
@@ -340,6 +353,9 @@ def test_grpo_args_check_names_the_field():
         GRPOArgs(batch_size=64, group_size=8, problems_per_request=3).check()
     with pytest.raises(UserError, match="--problems-per-request must be >= 0, got -1"):
         GRPOArgs(problems_per_request=-1).check()
+    for temperature in (0.0, 1e-50, float("nan"), float("inf")):  # 1e-50 is 0 in float32
+        with pytest.raises(UserError, match=r"--temperature must be a finite number >= 0.0001"):
+            GRPOArgs(temperature=temperature).check()
     one_request_per_step = GRPOArgs(batch_size=16, group_size=8, problems_per_request=0)
     one_request_per_step.check()  # 0 fits every batch size: all of a step's problems
     assert one_request_per_step.request_problems() == 2 and GRPOArgs(problems_per_request=4).request_problems() == 4
@@ -355,7 +371,8 @@ def test_grpo_args_check_names_the_field():
 
 
 @pytest.mark.parametrize("mode, lookahead, version, last_allowed", [
-    ("pipeline", 2, 0, 15), ("pipeline", 2.5, 0, 19), ("pipeline", 2.5, 3, 43), ("sync", 2.5, 3, 7 * 8 - 1)])
+    ("pipeline", 2, 0, 15), ("pipeline", 2.5, 0, 19), ("pipeline", 2.5, 3, 43),
+    ("sync", 2.5, 4, 8 * 8 - 1), ("sync", 2.5, 0, 4 * 8 - 1), ("sync", 2.5, 3, 4 * 8 - 1)])  # 3: resumed mid-round
 def test_the_actor_starts_groups_up_to_its_lookahead_beyond_the_servers_weights(mode, lookahead, version, last_allowed):
     from lm_human_preference_details.grpo.actor import Actor
 
@@ -363,6 +380,19 @@ def test_the_actor_starts_groups_up_to_its_lookahead_beyond_the_servers_weights(
     actor = Actor(args, ["http://127.0.0.1:1", "http://127.0.0.1:2"], problems=[])
     actor.servers[1].version = version  # the newest weights any server has
     assert actor.may_start(last_allowed) and not actor.may_start(last_allowed + 1)
+
+
+@pytest.mark.parametrize("mode, behind, usable", [("pipeline", 2, True), ("pipeline", 3, False), ("sync", 0, True), ("sync", 1, False),
+                                                   ("sync", 4, False)])
+def test_a_server_behind_the_newest_weights_gets_requests_only_within_the_lookahead(mode, behind, usable):
+    """`sync`: a round's samples all come from the weights it began with, so a server still receiving them
+    (or one that failed to) gets none of the round's requests; `pipeline`: up to `steps_ahead` behind."""
+    from lm_human_preference_details.grpo.actor import Actor
+
+    args = GRPOArgs(mode=mode, batch_size=64, group_size=8, steps_ahead=2, sync_steps=4)
+    actor = Actor(args, ["http://127.0.0.1:1", "http://127.0.0.1:2"], problems=[])
+    actor.servers[0].version, actor.servers[1].version = 8, 8 - behind
+    assert actor.usable(actor.servers[0]) and actor.usable(actor.servers[1]) == usable
 
 
 def test_shared_prompt_forward_refuses_sliding_window_layers():

@@ -226,6 +226,21 @@ def test_a_killed_launcher_takes_its_children_down_and_the_run_resumes(tmp_path)
 
 
 @pytest.mark.slow
+def test_a_sync_run_resumed_mid_round_finishes_that_round_then_keeps_its_rounds(tmp_path):
+    """A checkpoint at step 6 with rounds of 4: the resumed run trains 7-8 on the weights of 6, then rounds
+    9-12 and 13-16 each on the weights their round began with (it used to wait forever at step 10)."""
+    first = Launched(tmp_path / "run", "--mode", "sync", "--sync-steps", "4", "--steps", "6", "--save-interval", "3")
+    assert first.finish() == 0, first.output()
+    resumed = Launched(tmp_path / "run", "--mode", "sync", "--sync-steps", "4", "--steps", "16", "--save-interval", "3", "--resume")
+    assert resumed.finish(timeout_s=120) == 0, resumed.output()
+    steps = metrics(resumed.output_dir)
+    assert [r["step"] for r in steps] == list(range(1, 17))
+    # lag = the step's weights - the weights that sampled: 0, 1, ... within each round
+    assert [(r["lag/min"], r["lag/max"]) for r in steps[6:]] == [(i, i) for i in (0, 1, 0, 1, 2, 3, 0, 1, 2, 3)]
+    assert resumed.leftovers() == []
+
+
+@pytest.mark.slow
 def test_the_stream_can_be_a_redis_stream_and_the_weights_go_one_broadcast_per_tensor(tmp_path, redis_url):
     url = with_stream(redis_url, f"grpo-{uuid.uuid4().hex}")
     # --update-bucket-mb 0: PipelineRL's one broadcast per tensor (the preset sends one bucket; grpo_speed has a row for it)
@@ -279,12 +294,25 @@ def test_chat_prompts_go_one_request_per_problem_through_the_chat_template(tmp_p
     (["--batch-size", "60"], "error: --batch-size 60 must be a multiple of --group-size 8"),
     (["--task", "nope"], "error: --task 'nope' is unknown; choose one of tiny, arith"),
     (["--resume"], "error: --resume: no checkpoint in"),
+    (["--resume", "--stream", "redis://127.0.0.1:1/0?stream=s&maxlen=100"],
+     "error: --stream redis://127.0.0.1:1/0?stream=s&maxlen=100: --resume finds the checkpoint's place in the stream by counting"),
     (["--weight-backend", "nccl"], "error: --weight-backend nccl: the servers this launcher starts share the trainer's GPU"),
     (["--threads", "-1"], "error: --threads must be >= 0, got -1"),
 ])
 def test_bad_arguments_are_one_line_errors(tmp_path, flags, message):
     result = subprocess.run(LAUNCH + ["--output-dir", str(tmp_path / "run"), *flags], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith(message), result.stderr
+
+
+@pytest.mark.parametrize("role", ["actor", "trainer"])
+def test_an_actor_or_trainer_started_alone_refuses_to_resume(tmp_path, role):
+    """Only the launcher restarts every process at the checkpoint (servers' weights and version, the stream, the
+    actor's first group): one process resumed alone would mix a crashed run's samples into the new one."""
+    command = [sys.executable, "-m", f"lm_human_preference_details.grpo.{role}", "--output-dir", str(tmp_path / "run"),
+               "--servers", "http://127.0.0.1:1", "--resume"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith(
+        "error: --resume: resume a run through grpo.launch"), result.stderr
 
 
 def test_threads_default_to_the_cores_shared_by_the_processes_that_compute_at_once():

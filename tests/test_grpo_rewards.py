@@ -281,3 +281,11 @@ def test_the_integer_shortcut_agrees_with_math_verify(boxed, answer):
     assert integer_reward(f"so \\boxed{{{boxed}}}", answer) == expected
     assert integer_reward("no box at all", answer) == 0.0
     assert integer_reward("\\boxed{\\frac{1}{2}}", "0.5") is None  # math_verify decides
+
+
+def test_an_integer_too_long_for_int_is_still_judged():
+    """int() refuses strings of more than 4300 digits; a degenerate policy boxes that many."""
+    from lm_human_preference_details.grpo.rewards import math_reward
+
+    assert math_reward("\\boxed{" + "1" * 5000 + "}", "7") == 0.0
+    assert math_reward("\\boxed{" + "0" * 5000 + "7}", "7") == 1.0

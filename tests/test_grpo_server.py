@@ -87,6 +87,7 @@ def test_chat_completions_apply_the_chat_template(server):
     ("/v1/completions", b'{"max_tokens": 3}', 400, "'prompt'"),
     ("/v1/completions", b'{"prompt": "1+1=", "max_tokens": 0}', 400, "'max_tokens'"),
     ("/v1/completions", b'{"prompt": "1+1=", "temperature": 0}', 400, "'temperature'"),
+    ("/v1/completions", b'{"prompt": "1+1=", "temperature": 1e-50}', 400, "'temperature'"),  # 0 in float32: NaN for the batch
     ("/v1/completions", b'{"prompt": "1+1=", "n": 1000}', 400, "'n'"),
     ("/v1/completions", b'{"prompt": [1, 99999]}', 400, "outside the vocabulary"),
     ("/v1/completions", b'{"prompt": "1+1=", "max_tokens": 100000}', 400, "positions"),
@@ -102,6 +103,14 @@ def test_malformed_requests_get_a_4xx_with_the_reason_and_the_server_stays_up(se
     got_status, reply = post_raw(server + path, body)
     assert got_status == status and reason in reply["error"]
     assert request_json("GET", f"{server}/health")["status"] == "ok"
+
+
+@pytest.mark.parametrize("timeout", ["nan", "-1"])
+def test_a_health_wait_without_a_usable_timeout_is_refused(server, timeout):
+    """asyncio waits forever on a NaN timeout: the wait for a version that may never come is refused."""
+    with pytest.raises(ServerError, match="timeout_s must be a number >= 0") as refused:
+        request_json("GET", f"{server}/health?wait_for_version=1000000&timeout_s={timeout}", timeout_s=10)
+    assert refused.value.status == 400
 
 
 @pytest.fixture(scope="module")
@@ -222,6 +231,46 @@ def test_a_failure_in_the_sender_thread_is_raised_by_wait_and_push_not_a_hang(mo
     sender._queue.join()
     with pytest.raises(ValueError, match="the broadcast broke"):
         sender.push(model, version=3)
+
+
+def test_a_refusal_by_one_server_still_updates_the_others_and_a_trainer_left_with_no_server_stops(model_dir, tmp_path):
+    """Server B (one layer fewer) refuses what server A accepts: A still gets the update (it would wait for
+    it until the gloo timeout, 300 s, and then serve stale weights), and the push fails. Once every server is
+    gone, the sender says so instead of letting the trainer wait for samples that cannot come."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(model_dir)
+    config.n_layer -= 1
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "one-layer-fewer")
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(tmp_path / "one-layer-fewer")
+    servers = [ServerProcess(["--model", str(m), "--threads", "1"], subprocess.DEVNULL) for m in (model_dir, tmp_path / "one-layer-fewer")]
+    try:
+        a, b = [server.wait_until_serving() for server in servers]
+        sender, model = WeightSender([a, b], timeout_s=300), load_causal_lm(model_dir)
+        with torch.no_grad():
+            model.lm_head.weight.add_(1.0)
+        start = time.monotonic()
+        sender.push(model, version=1)
+        with pytest.raises(ServerError, match="refused"):
+            sender.wait()
+        assert time.monotonic() - start < 60
+        assert request_json("GET", f"{a}/health?wait_for_version=1&timeout_s=30")["model_version"] == 1
+        assert request_json("GET", f"{a}/weights_digest")["digests"] == digest(model)
+        assert request_json("GET", f"{b}/health")["model_version"] == 0  # refused: its own weights serve on
+
+        for server in servers:
+            server.process.kill()
+            server.process.wait()
+        sender.push(model, version=2)  # neither answers: both dropped
+        assert sorted(sender.wait()) == sorted([a, b])
+        with pytest.raises(RuntimeError, match="every server was dropped from weight updates"):
+            sender.check()
+        with pytest.raises(RuntimeError, match="every server was dropped from weight updates"):
+            sender.push(model, version=3)
+    finally:
+        for server in servers:
+            server.process.kill()
+            server.process.wait()
 
 
 def test_server_binds_loopback_by_default():

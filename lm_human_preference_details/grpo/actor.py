@@ -1,12 +1,13 @@
 """The actor: keeps the inference servers busy, `group_size` attempts per problem, scores them,
 writes one record per group to the stream.
 
-How far it may run ahead of the trainer is the only thing the two modes change: it starts group k
-only while k < (servers' weight version + lookahead) * groups per step, where lookahead is
-`steps_ahead` in `pipeline` mode (the servers get new weights every step, so generation and
-training overlap) and `sync_steps` in `sync` mode (the weights change once per round of
-`sync_steps` steps: the actor generates a round with frozen weights, then waits while the
-trainer takes its steps).
+How far it may run ahead of the trainer is the only thing the two modes change. In `pipeline` mode
+it starts group k only while k < (servers' weight version + `steps_ahead`) * groups per step (the
+servers get new weights every step, so generation and training overlap). In `sync` mode it starts
+the groups of the round of `sync_steps` steps that the servers' weights begin, and no more (the
+weights change once per round, at a multiple of `sync_steps`: the actor generates a round with
+frozen weights, then waits while the trainer takes its steps), and sends requests only to servers
+that have those weights.
 
 A request that fails (server gone, connection dropped, 5xx, timeout) is sent again to another
 server; a server that fails is left alone until its /health answers again.
@@ -62,8 +63,7 @@ class Actor:
         self.args = args
         self.servers = [ServerState(url.rstrip("/")) for url in server_urls]
         self.problems = problems
-        self.lookahead = args.steps_ahead if args.mode == "pipeline" else args.sync_steps
-        self.problems_ahead = args.problems_ahead()
+        self.problems_ahead = args.problems_ahead() if args.mode == "pipeline" else 0
         self._changed: asyncio.Condition | None = None
         self._failure: BaseException | None = None
         self._verifier: concurrent.futures.Executor | None = None
@@ -73,13 +73,20 @@ class Actor:
         return max(s.version for s in self.servers)
 
     def usable(self, server: ServerState) -> bool:
-        """Answers, and its weights are not left behind (a server the trainer stopped updating; with a fractional
-        lookahead, more than its whole steps behind)."""
-        return server.live() and server.version >= self.weight_version() - self.lookahead
+        """Answers, and its weights are not left behind: `pipeline`, no more than `steps_ahead` steps behind the
+        newest (further behind: a server the trainer stopped updating); `sync`, the newest (a round's samples
+        all come from the weights the round began with, even while another server is still receiving)."""
+        behind = self.args.steps_ahead if self.args.mode == "pipeline" else 0
+        return server.live() and server.version >= self.weight_version() - behind
 
     def may_start(self, group_index: int) -> bool:
-        """Whether group `group_index` may start: it belongs to one of the `lookahead` optimizer steps after
-        the servers' weights (a fractional lookahead: or to the first part of the step after those)."""
+        """Whether group `group_index` may start. `pipeline`: it belongs to one of the `steps_ahead` optimizer
+        steps after the servers' weights (a fractional lookahead: or to the first part of the step after
+        those). `sync`: it belongs to the round that the servers' weights begin (rounds end at multiples of
+        `sync_steps`; a run resumed mid-round finishes that round first)."""
+        if self.args.mode == "sync":
+            round_end = (self.weight_version() // self.args.sync_steps + 1) * self.args.sync_steps
+            return group_index < round_end * self.args.groups_per_step()
         return group_index < self.weight_version() * self.args.groups_per_step() + self.problems_ahead
 
     async def run(self, first_group: int = 0) -> None:
@@ -264,6 +271,9 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s actor %(message)s")
     args = cli.parse(GRPOArgs, get_preset, "tiny")
     args.check()
+    if args.resume:
+        raise cli.UserError("--resume: resume a run through grpo.launch, which restarts the servers with the checkpoint's "
+                            "weights and version, drops the stream's records after the checkpoint and starts the actor at its step")
     run(args, wait_for_servers=lambda: args.servers)
 
 

@@ -17,6 +17,10 @@ from collections.abc import Callable
 MAX_CHOICES = 512
 """sequences one completion request may ask for (prompts x n)"""
 
+MIN_TEMPERATURE = 1e-4
+"""the lowest sampling temperature a server takes: logits / temperature must stay finite in float32 (1e-50 is
+0 there, and every sequence of the batch would get NaN probabilities)"""
+
 
 class ServerError(RuntimeError):
     """A request to a server failed: `status` is the HTTP status, None when it could not be reached."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from lm_human_preference_details.cli import UserError
-from lm_human_preference_details.grpo.client import MAX_CHOICES
+from lm_human_preference_details.grpo.client import MAX_CHOICES, MIN_TEMPERATURE
 from lm_human_preference_details.tracking import RunArgs
 
 Mode = Literal["pipeline", "sync"]
@@ -96,7 +96,7 @@ class GRPOArgs(RunArgs):
     save_interval: int = 20
     """checkpoint every N optimizer steps (0: never); `--resume` continues from the last one"""
     resume: bool = False
-    """continue from the last checkpoint in output_dir"""
+    """continue from the last checkpoint in output_dir (through `grpo.launch`, which restarts every process at it)"""
 
     # processes
     num_servers: int = 1
@@ -184,7 +184,9 @@ class GRPOArgs(RunArgs):
                      "max_tokens", "sample_interval"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("temperature", "lr", "ratio_cap", "clip_eps", "grad_clip", "request_timeout_s"):
+        if not (math.isfinite(self.temperature) and self.temperature >= MIN_TEMPERATURE):
+            raise UserError(f"--temperature must be a finite number >= {MIN_TEMPERATURE} (sampling only), got {self.temperature}")
+        for name in ("lr", "ratio_cap", "clip_eps", "grad_clip", "request_timeout_s"):
             if getattr(self, name) <= 0:
                 raise UserError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         for name in ("kl_coef", "save_interval", "update_bucket_mb", "threads", "problems_per_request"):

@@ -21,6 +21,7 @@ report which weights produced a token.
 """
 
 import collections
+import math
 import threading
 import time
 from concurrent.futures import Future
@@ -28,6 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
+
+from lm_human_preference_details.grpo.client import MIN_TEMPERATURE
 
 
 @dataclass
@@ -110,9 +113,12 @@ class Engine:
         return futures
 
     def check(self, request: GenerationRequest) -> None:
-        """ValueError, saying why, when the request cannot be generated (empty prompt, too long, unknown ids)."""
+        """ValueError, saying why, when the request cannot be generated (empty prompt, too long, unknown ids,
+        a temperature that is not a finite number >= MIN_TEMPERATURE)."""
         if not request.prompt_ids:
             raise ValueError("prompt is empty")
+        if not (math.isfinite(request.temperature) and request.temperature >= MIN_TEMPERATURE):
+            raise ValueError(f"temperature {request.temperature!r}: expected a finite number >= {MIN_TEMPERATURE} (sampling only)")
         if len(request.prompt_ids) + request.max_new_tokens > self.max_positions:
             raise ValueError(
                 f"prompt ({len(request.prompt_ids)} tokens) + max_tokens ({request.max_new_tokens}) exceeds the "

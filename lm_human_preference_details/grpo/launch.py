@@ -167,6 +167,11 @@ def launch(args: GRPOArgs) -> None:
                             "refuses two ranks; use --weight-backend gloo, or start servers on other GPUs and pass --servers")
     args.check_weight_backend()
     os.makedirs(args.output_dir, exist_ok=True)
+    where = streams.parse_stream_url(args.stream_url())
+    if args.resume and isinstance(where, streams.RedisStreamUrl) and where.maxlen is not None:
+        # a checkpoint's stream position counts records from the stream's first; trimming shifts that count
+        raise cli.UserError(f"--stream {args.stream}: --resume finds the checkpoint's place in the stream by counting records "
+                            "from its first, which maxlen trims away; run without maxlen to be able to resume")
     if args.resume:
         from lm_human_preference_details.grpo import trainer  # torch and transformers: only to resume
 

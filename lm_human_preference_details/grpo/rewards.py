@@ -116,8 +116,16 @@ def integer_reward(completion: str, answer: str) -> float | None:
     if boxed is None:
         return 0.0
     if INTEGER.fullmatch(boxed.strip()) and INTEGER.fullmatch(answer.strip()):
-        return float(int(boxed) == int(answer))
+        return float(_canonical_integer(boxed) == _canonical_integer(answer))
     return None
+
+
+def _canonical_integer(text: str) -> str:
+    """A plain integer's digits without sign or leading zeros, `-` in front if negative: compared as text,
+    since `int()` refuses more than 4300 digits (a policy can box that many)."""
+    text = text.strip()
+    digits = text.lstrip("+-").lstrip("0") or "0"
+    return "-" + digits if text.startswith("-") and digits != "0" else digits
 
 
 # ----------------------------------------------------------------------------- problems

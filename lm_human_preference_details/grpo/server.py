@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import queue
 import socket
@@ -40,7 +41,7 @@ import tyro
 from aiohttp import web
 
 from lm_human_preference_details.cli import quiet_transformers
-from lm_human_preference_details.grpo.client import MAX_CHOICES
+from lm_human_preference_details.grpo.client import MAX_CHOICES, MIN_TEMPERATURE
 from lm_human_preference_details.grpo.engine import Engine, GenerationRequest
 from lm_human_preference_details.grpo.lifetime import exit_now, exit_with_parent
 
@@ -143,7 +144,8 @@ class InferenceServer:
             stop.add(self.tokenizer.eos_token_id)
         sampling = dict(
             max_new_tokens=_field(body, "max_tokens", int, 16, lambda v: v >= 1, "an integer >= 1"),
-            temperature=_field(body, "temperature", float, 1.0, lambda v: v > 0, "a number > 0 (sampling only)"),
+            temperature=_field(body, "temperature", float, 1.0, lambda v: math.isfinite(v) and v >= MIN_TEMPERATURE,
+                               f"a finite number >= {MIN_TEMPERATURE} (sampling only)"),
             stop_token_ids=frozenset(stop),
         )
         n = _field(body, "n", int, 1, lambda v: 1 <= v <= MAX_CHOICES, f"an integer in [1, {MAX_CHOICES}]")
@@ -252,6 +254,8 @@ class InferenceServer:
                 version, timeout = int(request.query["wait_for_version"]), float(request.query.get("timeout_s", 10))
             except ValueError:
                 raise BadRequest("wait_for_version must be an integer and timeout_s a number") from None
+            if not timeout >= 0:  # nan too: asyncio would wait forever
+                raise BadRequest(f"timeout_s must be a number >= 0, got {request.query['timeout_s']}")
             async with self.version_changed:
                 with contextlib.suppress(asyncio.TimeoutError):  # then answer with the version serving
                     await asyncio.wait_for(self.version_changed.wait_for(lambda: self.engine.version >= version), min(timeout, 60))

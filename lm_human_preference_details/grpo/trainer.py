@@ -161,14 +161,16 @@ def train(args: GRPOArgs, wait_for_servers: Callable[[], list[str]]) -> None:
     push_every = 1 if args.mode == "pipeline" else args.sync_steps
     started = last_step_end = None
 
-    # sync: the conventional schedule trains only once the whole round is generated
-    steps_per_read = 1 if args.mode == "pipeline" else args.sync_steps
     buffered: list[dict] = []
     while version < args.steps:
         wait_start = time.perf_counter()
         if not buffered:
-            wanted = min(steps_per_read, args.steps - version) * args.groups_per_step()
+            # sync: the conventional schedule trains only once the whole round is generated (rounds end at
+            # multiples of sync_steps, where the weights go out: a run resumed mid-round reads the rest of it)
+            steps_to_read = 1 if args.mode == "pipeline" else args.sync_steps - version % args.sync_steps
+            wanted = min(steps_to_read, args.steps - version) * args.groups_per_step()
             while len(buffered) < wanted:
+                sender.check()  # with no server left to update, no samples would ever come
                 buffered += reader.read(wanted - len(buffered), timeout_s=1.0)
         groups, buffered = buffered[: args.groups_per_step()], buffered[args.groups_per_step() :]
         step_start = time.perf_counter()
@@ -290,6 +292,9 @@ def main() -> None:
     args = cli.parse(GRPOArgs, get_preset, "tiny")
     args.check()
     args.check_weight_backend()
+    if args.resume:
+        raise cli.UserError("--resume: resume a run through grpo.launch, which restarts the servers with the checkpoint's "
+                            "weights and version, drops the stream's records after the checkpoint and starts the actor at its step")
     if not args.servers:
         raise cli.UserError("--servers: the trainer alone needs the URLs of running servers (or use grpo.launch)")
     train_then_exit(args, wait_for_servers=lambda: args.servers)

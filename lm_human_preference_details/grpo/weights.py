@@ -186,7 +186,8 @@ class WeightSender:
         self.timeout_s = timeout_s
         self._queue: queue.Queue = queue.Queue(maxsize=1)  # snapshots waiting for the sender thread
         self._lock = threading.Lock()
-        self._dropped: list[str] = []
+        self._dropped: list[str] = []  # since push or wait last returned them
+        self._ever_dropped: list[str] = []
         self._failed: Exception | None = None  # a refusal, or the sender thread's own failure: raised by push/wait
         self.last_broadcast_s = 0.0  # announce to received, of the last push that completed
         threading.Thread(target=self._send_forever, name="weight-sender", daemon=True).start()
@@ -196,8 +197,9 @@ class WeightSender:
         then one broadcast per tensor, or per bucket of at most `bucket_bytes`), so the next optimizer
         step overlaps the transfer. Blocks only while an earlier snapshot still waits its turn (one is
         sent, one may wait). Returns the servers dropped so far (unreachable); raises if a server
-        refused an update (trainer and servers disagree about the model) or the sender thread failed."""
-        self._raise_if_failed()
+        refused an update (trainer and servers disagree about the model), the sender thread failed, or every
+        server has been dropped."""
+        self.check()
         specs = parameter_specs(model, dtype)
         with torch.no_grad():
             snapshot = flatten([p.detach() for _, p in model.named_parameters()], buckets(specs, bucket_bytes), dtype)
@@ -209,6 +211,15 @@ class WeightSender:
         self._queue.join()
         self._raise_if_failed()
         return self._take_dropped()
+
+    def check(self) -> None:
+        """Raise what stops the run: a refused update, the sender thread's failure, or no server left to
+        update (with none, the servers' weights would never change again and the actor, held back by
+        them, would wait forever: so would a trainer waiting for its samples, which calls this meanwhile)."""
+        self._raise_if_failed()
+        if not self.groups and self._ever_dropped:
+            raise RuntimeError(f"every server was dropped from weight updates ({', '.join(self._ever_dropped)}): "
+                               "no weights can reach the servers any more; see their logs")
 
     def _raise_if_failed(self) -> None:
         if self._failed is not None:
@@ -234,21 +245,23 @@ class WeightSender:
     def _send(self, specs: list[ParameterSpec], snapshot: list[torch.Tensor], version: int, bucket_bytes: int) -> None:
         start = time.perf_counter()
         payload = {"version": version, "parameters": [s.to_json() for s in specs], "bucket_bytes": bucket_bytes}
+        announced = []
         for url in list(self.groups):
             try:
                 reply = request_json("POST", f"{url}/request_weight_update", payload, timeout_s=self.timeout_s)
                 if reply.get("bucket_bytes", 0) != bucket_bytes:  # a server that ignores buckets would wait for other broadcasts
                     raise ServerError(f"{url} does not take weight updates in buckets ({bucket_bytes} bytes): "
                                       f"update the server or use --update-bucket-mb 0", status=400)
+                announced.append(url)
             except ServerError as error:
-                if error.status is not None:
-                    self._failed = error
-                    return
+                if error.status is not None:  # refused: push and wait raise it, once the servers that accepted
+                    self._failed = error       # have this update (they wait for it)
+                    break
                 self._drop(url, error)
         works = {}  # every server's broadcasts start before any is waited for
-        for url, group in list(self.groups.items()):
+        for url in announced:
             try:
-                works[url] = [group.broadcast(t) for t in snapshot]
+                works[url] = [self.groups[url].broadcast(t) for t in snapshot]
             except RuntimeError as error:  # some backends fail at the call (NCCL: two ranks on one GPU)
                 self._drop(url, error)
         for url, url_works in works.items():
@@ -264,6 +277,7 @@ class WeightSender:
         del self.groups[url]
         with self._lock:
             self._dropped.append(url)
+            self._ever_dropped.append(url)
         return url
 
 

@@ -5,10 +5,12 @@ Label files use OAI's format: a JSON list of `{"query": [query_length ints], "sa
 (# OAI: lm_human_preferences/label_types.py#L33-L55, PickBest). In memory queries are left-padded.
 """
 
+import contextlib
 import glob
 import json
 import os
 import random
+import shutil
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -140,6 +142,41 @@ def chatterbot_texts() -> list[str]:
     return list(dict.fromkeys(texts))  # the corpus repeats some lines across files
 
 
+BOOK_PASSAGES_URL = "https://openaipublic.blob.core.windows.net/lm-human-preferences/datasets/book_passages/{mode}.jsonl"
+"""OAI's `books` query dataset: passages of books, one JSON string per line (# OAI: lm_human_preferences/datasets/books.py#L10)"""
+
+
+def book_passages(mode: str) -> list[str]:
+    """OAI's book passages of `mode` (`train`: what OAI's query samplers read), downloaded once into the cache."""
+    from .assets import cache_dir
+
+    path = os.path.join(cache_dir(), "book_passages", f"{mode}.jsonl")
+    if not os.path.exists(path):
+        url = BOOK_PASSAGES_URL.format(mode=mode)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        partial = f"{path}.{os.getpid()}.tmp"  # each process of a multi-process run downloads its own, then renames
+        try:
+            with urllib.request.urlopen(url, timeout=60) as response, open(partial, "wb") as f:
+                shutil.copyfileobj(response, f)
+        except OSError as e:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(partial)
+            raise UserError(f"task.query_dataset=books: cannot download {url} ({e}); put that file at {path}, "
+                            "or use an offline corpus: --task.query-dataset chatterbot") from e
+        os.replace(partial, path)
+    passages = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            try:
+                passage = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{path}: line {number}: not JSON ({e}); delete the file to download it again") from None
+            if not isinstance(passage, str):
+                raise UserError(f"{path}: line {number}: expected a JSON string (a passage), got {type(passage).__name__}")
+            passages.append(passage)
+    return passages
+
+
 def document_stream(name: str, seed: int) -> Iterator[str]:
     """Documents of a query dataset, shuffled by `seed`, forever (epoch after epoch)."""
     if name == "chatterbot":
@@ -150,13 +187,12 @@ def document_stream(name: str, seed: int) -> Iterator[str]:
             rng.shuffle(order)
             yield from (texts[i] for i in order)
     elif name == "books":
-        import datasets
-
-        epoch = 0
-        while True:  # bookcorpus is large: stream it through a shuffle buffer
-            stream = datasets.load_dataset("bookcorpus", split="train", streaming=True)
-            yield from (row["text"] for row in stream.shuffle(seed=seed + epoch, buffer_size=10_000))
-            epoch += 1
+        passages = book_passages("train")
+        while True:  # OAI's generator runs again each epoch: `random.seed(seed)`, so the same order every time
+            # OAI: lm_human_preferences/datasets/books.py#L7-L16, language/datasets.py#L33-L47 (seed 0, shuffle, rerun by repeat())
+            order = list(passages)
+            random.Random(seed).shuffle(order)  # the same permutation as random.seed(seed); random.shuffle(order)
+            yield from order
     else:
         raise UserError(f"task.query_dataset={name!r} is unknown; choose books or chatterbot")
 

@@ -20,7 +20,7 @@ class TaskHParams:
     """the pretrained LM that starts the policy, the reference policy and the reward model: a hub name,
     a local folder, or an offline preset (`tiny`, `smollm2-135m`)"""
     query_dataset: str = "books"
-    """where queries come from: `books` (hub bookcorpus), `chatterbot` (offline English sentences)"""
+    """where queries come from: `books` (OAI's book passages, downloaded once), `chatterbot` (offline English sentences)"""
     query_length: int = 64
     """tokens per query, padded with the pad id beyond the vocab"""
     query_prefix: str = ""

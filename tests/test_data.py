@@ -1,4 +1,4 @@
-"""Label files in OAI's JSON format, and the query sampler over the offline chatterbot corpus."""
+"""Label files in OAI's JSON format, the query sampler over the offline chatterbot corpus, and OAI's book passages."""
 
 import json
 
@@ -247,3 +247,70 @@ def test_format_queries(tokenizer):
     suffix_only = TaskHParams(base_model="tiny", query_suffix=".")
     assert format_queries(queries, tokenizer, suffix_only).tolist() == [[5, 6, 7, dot], [PAD, PAD, 8, dot]]
     assert format_queries(queries, tokenizer, TaskHParams(base_model="tiny")) is queries
+
+
+# ----------------------------------------------------------------------------- OAI's book passages
+@pytest.fixture
+def book_site(tmp_path, monkeypatch):
+    """OAI's `book_passages/train.jsonl` format (one JSON string per line), served by a real HTTP server in another
+    process in place of OAI's URL; the cache is empty."""
+    import subprocess
+    import sys
+
+    from lm_human_preference_details import data
+
+    passages = [f"Chapter {i}. The rain fell on {i} roofs. She said nothing, and left." for i in range(40)] + ["no full stop"]
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "train.jsonl").write_text("".join(json.dumps(p) + "\n" for p in passages))
+    server = subprocess.Popen([sys.executable, "-u", "-m", "http.server", "0", "--bind", "127.0.0.1", "--directory", str(site)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    port = int(server.stdout.readline().split("port ")[1].split()[0])
+    monkeypatch.setattr(data, "BOOK_PASSAGES_URL", f"http://127.0.0.1:{port}/{{mode}}.jsonl")
+    monkeypatch.setenv("LMHPD_CACHE", str(tmp_path / "cache"))
+    yield passages, server, tmp_path / "cache" / "book_passages" / "train.jsonl"
+    server.terminate()
+    server.wait(timeout=10)
+
+
+def test_books_are_oais_passages_downloaded_once_in_oais_order_every_epoch(book_site):
+    import random
+
+    from lm_human_preference_details.data import book_passages, document_stream
+
+    passages, server, cached = book_site
+    stream = document_stream("books", seed=0)
+    two_epochs = [next(stream) for _ in range(2 * len(passages))]
+    state = random.getstate()
+    try:  # OAI's books_generator as it is written: the global generator, seeded each time it runs
+        random.seed(0)
+        oai_order = list(passages)
+        random.shuffle(oai_order)
+    finally:
+        random.setstate(state)
+    assert two_epochs == oai_order + oai_order
+    server.terminate()
+    server.wait(timeout=10)
+    assert cached.exists() and book_passages("train") == passages  # from the cache: the server is gone
+
+    # the sentiment task's queries (GPT-2 BPE, start_text = end_text = "."): after the first full stop, up
+    # to the last; a passage with no full stop is skipped
+    task = TaskHParams(base_model="gpt2", query_dataset="books", query_length=64, start_text=".", end_text=".")
+    gpt2 = load_tokenizer("gpt2")
+    sampler = QuerySampler(task, gpt2, batch_size=len(passages) - 1, seed=0)
+    queries = [gpt2.decode(strip_pad(row.tolist(), gpt2.oai_pad_token_id)) for row in next(sampler)]
+    assert queries == [p.split(".", 1)[1] for p in oai_order if p != "no full stop"]
+
+
+def test_books_that_cannot_be_downloaded_or_read_name_the_file_and_the_fix(book_site, monkeypatch):
+    from lm_human_preference_details import data
+
+    passages, server, cached = book_site
+    monkeypatch.setattr(data, "BOOK_PASSAGES_URL", data.BOOK_PASSAGES_URL.replace("{mode}", "missing-{mode}"))
+    with pytest.raises(UserError, match=r"task.query_dataset=books: cannot download http://127.0.0.1:\d+/missing-train.jsonl .*"
+                                        r"put that file at .*book_passages/train.jsonl, or use an offline corpus"):
+        data.book_passages("train")
+    assert not cached.exists() and list(cached.parent.iterdir()) == []  # no partial file left
+    cached.write_text('"a passage"\n{"text": "not a string"}\n')
+    with pytest.raises(UserError, match=r"train.jsonl: line 2: expected a JSON string \(a passage\), got dict"):
+        data.book_passages("train")

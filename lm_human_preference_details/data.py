@@ -7,6 +7,7 @@ Label files use OAI's format: a JSON list of `{"query": [query_length ints], "sa
 
 import contextlib
 import glob
+import http.client
 import json
 import os
 import random
@@ -158,7 +159,11 @@ def book_passages(mode: str) -> list[str]:
         try:
             with urllib.request.urlopen(url, timeout=60) as response, open(partial, "wb") as f:
                 shutil.copyfileobj(response, f)
-        except OSError as e:
+                # a connection closed early reads as the end of the file: the length says whether it was
+                expected = response.headers.get("Content-Length")
+                if expected is not None and f.tell() != int(expected):
+                    raise OSError(f"the connection closed after {f.tell()} of {expected} bytes")
+        except (OSError, http.client.HTTPException) as e:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(partial)
             raise UserError(f"task.query_dataset=books: cannot download {url} ({e}); put that file at {path}, "
@@ -166,7 +171,7 @@ def book_passages(mode: str) -> list[str]:
         os.replace(partial, path)
     passages = []
     with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+        for number, line in enumerate(_lines(f, path), 1):
             try:
                 passage = json.loads(line)
             except json.JSONDecodeError as e:
@@ -175,6 +180,13 @@ def book_passages(mode: str) -> list[str]:
                 raise UserError(f"{path}: line {number}: expected a JSON string (a passage), got {type(passage).__name__}")
             passages.append(passage)
     return passages
+
+
+def _lines(f, path: str) -> Iterator[str]:
+    try:
+        yield from f
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path}: not UTF-8 text ({e}); delete the file to download it again") from None
 
 
 def document_stream(name: str, seed: int) -> Iterator[str]:

@@ -311,6 +311,29 @@ def test_books_that_cannot_be_downloaded_or_read_name_the_file_and_the_fix(book_
                                         r"put that file at .*book_passages/train.jsonl, or use an offline corpus"):
         data.book_passages("train")
     assert not cached.exists() and list(cached.parent.iterdir()) == []  # no partial file left
+
+    # a server that closes the connection early: urllib reads that as the end of the file
+    import socket
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def answer_cut_short():
+        connection, _ = listener.accept()
+        with connection:
+            connection.recv(65536)
+            connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n" + b'"a passage"\n' * 10)
+
+    threading.Thread(target=answer_cut_short, daemon=True).start()
+    monkeypatch.setattr(data, "BOOK_PASSAGES_URL", f"http://127.0.0.1:{listener.getsockname()[1]}/{{mode}}.jsonl")
+    with pytest.raises(UserError, match=r"cannot download .*the connection closed after 120 of 1000 bytes"):
+        data.book_passages("train")
+    listener.close()
+    assert not cached.exists() and list(cached.parent.iterdir()) == []
+
+    cached.write_bytes(b'"a passage"\n"caf\xe9"\n')  # Latin-1
+    with pytest.raises(UserError, match=r"train.jsonl: not UTF-8 text"):
+        data.book_passages("train")
     cached.write_text('"a passage"\n{"text": "not a string"}\n')
     with pytest.raises(UserError, match=r"train.jsonl: line 2: expected a JSON string \(a passage\), got dict"):
         data.book_passages("train")

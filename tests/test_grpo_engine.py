@@ -395,6 +395,30 @@ def test_a_server_behind_the_newest_weights_gets_requests_only_within_the_lookah
     assert actor.usable(actor.servers[0]) and actor.usable(actor.servers[1]) == usable
 
 
+def test_the_actor_fails_when_no_server_has_been_usable_for_the_request_timeout():
+    """All servers down, or all left behind by the newest weights: no sample would ever come, so the run fails."""
+    import asyncio
+    import time
+
+    from lm_human_preference_details.grpo.actor import Actor, ActorError
+
+    actor = Actor(GRPOArgs(mode="sync", request_timeout_s=0.5), ["http://127.0.0.1:1", "http://127.0.0.1:2"], problems=[])
+    actor.servers[0].down_until = time.monotonic() + 3600  # down
+    actor.servers[0].version, actor.servers[1].version = 8, 4  # 1 is a round behind 0's weights
+
+    async def acquire():
+        actor._changed = asyncio.Condition()
+        return await actor._acquire_server()
+
+    start = time.monotonic()
+    with pytest.raises(ActorError, match=r"no server has been usable for 0.5 s \(--request-timeout-s\): http://127.0.0.1:1 at "
+                                         r"version 8, http://127.0.0.1:2 at version 4, the newest weights are version 8"):
+        asyncio.run(acquire())
+    assert time.monotonic() - start < 5
+    actor.servers[1].version = 8  # caught up: it is used
+    assert asyncio.run(acquire()) is actor.servers[1]
+
+
 def test_shared_prompt_forward_refuses_sliding_window_layers():
     from transformers import MistralConfig, MistralForCausalLM
 

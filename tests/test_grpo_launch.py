@@ -315,6 +315,23 @@ def test_an_actor_or_trainer_started_alone_refuses_to_resume(tmp_path, role):
         "error: --resume: resume a run through grpo.launch"), result.stderr
 
 
+def test_servers_started_elsewhere_must_serve_the_weights_the_run_starts_from(tmp_path):
+    """A server left at version 3 (by an earlier run, or not restarted for a resume) would refuse every push up to 3."""
+    from lm_human_preference_details.grpo.client import ServerProcess
+
+    server = ServerProcess(["--model", "tiny-math", "--threads", "1", "--version", "3"], subprocess.DEVNULL)
+    try:
+        url = server.wait_until_serving()
+        result = subprocess.run(LAUNCH + ["--output-dir", str(tmp_path / "run"), "--servers", url], capture_output=True, text=True,
+                                timeout=120)
+        assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith(
+            f"error: --servers: {url} serves weights version 3, and this run starts at 0: restart it with "
+            "`python -m lm_human_preference_details.grpo.server --model tiny-math --version 0`"), result.stderr
+    finally:
+        server.process.kill()
+        server.process.wait()
+
+
 def test_threads_default_to_the_cores_shared_by_the_processes_that_compute_at_once():
     from lm_human_preference_details.grpo.config import GRPOArgs
 

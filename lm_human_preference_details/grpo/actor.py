@@ -192,13 +192,23 @@ class Actor:
         raise ActorError(f"a completion failed {MAX_ATTEMPTS_PER_REQUEST} times; last error: {reason}")
 
     async def _acquire_server(self) -> ServerState:
+        """The least busy usable server with a free slot, once there is one; an ActorError when no server has been
+        usable for `request_timeout_s` (all down, or left behind by the newest weights: nothing would come)."""
+        last_usable = time.monotonic()
         async with self._changed:
             while True:
-                free = [s for s in self.servers if self.usable(s) and s.in_flight < self.args.max_in_flight]
+                usable = [s for s in self.servers if self.usable(s)]
+                free = [s for s in usable if s.in_flight < self.args.max_in_flight]
                 if free:
                     server = min(free, key=lambda s: s.in_flight)
                     server.in_flight += 1
                     return server
+                if usable:
+                    last_usable = time.monotonic()
+                elif time.monotonic() - last_usable > self.args.request_timeout_s:
+                    raise ActorError(f"no server has been usable for {self.args.request_timeout_s:g} s (--request-timeout-s): "
+                                     f"{', '.join(f'{s.url} at version {s.version}' for s in self.servers)}, the newest weights "
+                                     f"are version {self.weight_version()}; see the servers' logs")
                 with contextlib.suppress(asyncio.TimeoutError):  # a slot frees up, or a server comes back
                     await asyncio.wait_for(self._changed.wait(), timeout=RETRY_AFTER_S)
 
@@ -219,7 +229,8 @@ class Actor:
                     raise ValueError(health.get("error", response.status))
                 if not server.live():
                     log.info("server %s is back", server.url)
-                server.version, server.down_until = max(server.version, health["model_version"]), 0.0
+                # what it serves now: lower than before if it restarted (its weights are then not the newest)
+                server.version, server.down_until = health["model_version"], 0.0
             except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, ValueError) as error:
                 if server.live():
                     log.warning("server %s is not serving (%r): no requests to it until it answers", server.url, error)

@@ -132,7 +132,8 @@ class GRPOArgs(RunArgs):
     so the trainer gets every core and the servers share them. Servers given with `--servers` count as on
     this machine; pass `--threads` when they are not"""
     request_timeout_s: float = 300.0
-    """a completion request taking longer is retried on another server"""
+    """a completion request taking longer is retried on another server; with no usable server for this long, the actor
+    fails the run"""
 
     def stream_url(self) -> str:
         return self.stream or os.path.join(self.output_dir, "stream.jsonl")
@@ -145,11 +146,10 @@ class GRPOArgs(RunArgs):
         return self.problems_per_request or self.groups_per_step()
 
     def problems_ahead(self) -> int:
-        """How many problems beyond the servers' weights the actor may start: `steps_ahead` steps' (`pipeline`)
-        or `sync_steps` steps' (`sync`). A UserError when a fractional `steps_ahead` is no whole number of
-        problems, or is one that the requests (`request_problems()` problems each) cannot split."""
-        if self.mode == "sync":
-            return self.sync_steps * self.groups_per_step()
+        """How many problems beyond the servers' weights the actor may start in `pipeline` mode: `steps_ahead`
+        steps' (`sync` mode goes by rounds instead: `Actor.may_start`). A UserError when a fractional
+        `steps_ahead` is no whole number of problems, or is one that the requests (`request_problems()`
+        problems each) cannot split."""
         problems = self.steps_ahead * self.groups_per_step()
         if not math.isfinite(problems) or abs(problems - round(problems)) > 1e-6:
             raise UserError(f"--steps-ahead {self.steps_ahead!r} is {problems:.6g} problems ahead, not a whole number: pass a "

@@ -179,6 +179,15 @@ def launch(args: GRPOArgs) -> None:
     else:
         state, model = {"version": 0, "stream_position": 0}, args.model
     version = state["version"]
+    for url in args.servers:  # servers started elsewhere must serve the weights this run starts from
+        try:
+            served = request_json("GET", f"{url}/health", timeout_s=30)["model_version"]
+        except ServerError as error:
+            raise cli.UserError(f"--servers: {url} is not serving ({error})") from None
+        if served != version:
+            raise cli.UserError(f"--servers: {url} serves weights version {served}, and this run {'resumes' if args.resume else 'starts'} "
+                                f"at {version}: restart it with `python -m lm_human_preference_details.grpo.server --model {model} "
+                                f"--version {version}`")
     # a new run starts from an empty stream (an earlier run's samples are not ours); a resumed run
     # drops what the crashed run generated after its checkpoint, from weights that are gone
     dropped = streams.truncate(args.stream_url(), state["stream_position"])

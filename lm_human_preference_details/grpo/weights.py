@@ -245,18 +245,19 @@ class WeightSender:
     def _send(self, specs: list[ParameterSpec], snapshot: list[torch.Tensor], version: int, bucket_bytes: int) -> None:
         start = time.perf_counter()
         payload = {"version": version, "parameters": [s.to_json() for s in specs], "bucket_bytes": bucket_bytes}
-        announced = []
+        announced, refusal = [], None
         for url in list(self.groups):
             try:
                 reply = request_json("POST", f"{url}/request_weight_update", payload, timeout_s=self.timeout_s)
-                if reply.get("bucket_bytes", 0) != bucket_bytes:  # a server that ignores buckets would wait for other broadcasts
+                if reply.get("bucket_bytes", 0) != bucket_bytes:  # a server that ignores buckets waits for other
+                    # broadcasts than ours: it gets none, and the run fails
                     raise ServerError(f"{url} does not take weight updates in buckets ({bucket_bytes} bytes): "
                                       f"update the server or use --update-bucket-mb 0", status=400)
                 announced.append(url)
             except ServerError as error:
-                if error.status is not None:  # refused: push and wait raise it, once the servers that accepted
-                    self._failed = error       # have this update (they wait for it)
-                    break
+                if error.status is not None:  # refused: raised by push, check and wait once the servers that
+                    refusal = error            # accepted have this update (they wait for it: a trainer that
+                    break                      # stopped now would leave them stale)
                 self._drop(url, error)
         works = {}  # every server's broadcasts start before any is waited for
         for url in announced:
@@ -271,6 +272,8 @@ class WeightSender:
             except RuntimeError as error:
                 self._drop(url, error)
         self.last_broadcast_s = time.perf_counter() - start
+        if refusal is not None:
+            self._failed = refusal
 
     def _drop(self, url: str, error: Exception) -> str:
         log.warning("server %s failed (%s): no more weight updates to it", url, error)

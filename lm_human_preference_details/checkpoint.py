@@ -1,15 +1,19 @@
 """Save and resume a run: model, optimizer, every process's RNG states, and the loop's own state.
 
 A checkpoint is a folder `<output_dir>/checkpoint/`, replaced atomically (written beside it, then
-renamed), so a run killed while saving still has its previous checkpoint.
+renamed), so a run killed while saving still has its previous checkpoint. It records the run's
+settings, and a resume with other settings (a batch size, a learning rate, the reward model) is refused:
+the loop's state (query position, LR schedule, optimizer) only means something under the old ones.
 """
 
+import dataclasses
 import os
 import random
 import shutil
 
 import numpy as np
 import torch
+from accelerate.utils import broadcast_object_list
 
 from .cli import UserError
 
@@ -29,6 +33,46 @@ def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
 
 
+def swap_in(staging: str, final: str) -> None:
+    """Make the complete folder `staging` the checkpoint `final`, replacing the previous one. A crash between the
+    two renames leaves the previous one as `final.old`, which `recover` puts back."""
+    old = final + ".old"
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.exists(final):
+        os.rename(final, old)
+    os.rename(staging, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def recover(final: str) -> None:
+    """A save killed between `swap_in`'s two renames left only `final.old`: put it back."""
+    if not os.path.exists(final) and os.path.exists(final + ".old"):
+        os.rename(final + ".old", final)
+
+
+def settings(args) -> dict:
+    """A run's arguments as flat `section.field` names -> values (what a checkpoint records)."""
+    def flatten(value, prefix: str) -> dict:
+        if isinstance(value, dict):
+            return {k: v for key, item in value.items() for k, v in flatten(item, f"{prefix}{key}.").items()}
+        return {prefix[:-1]: value}
+
+    return flatten(dataclasses.asdict(args), "")
+
+
+def check_same_settings(saved: dict | None, args, may_differ: set[str], where: str) -> None:
+    """UserError naming every setting that differs from the checkpoint's, but those in `may_differ`
+    (checkpoints from before settings were recorded: None, not checked)."""
+    if saved is None:
+        return
+    current = settings(args)
+    changed = sorted(k for k in saved.keys() | current.keys() if k not in may_differ and saved.get(k) != current.get(k))
+    if changed:
+        differences = "; ".join(f"{k}: {saved.get(k)!r} then, {current.get(k)!r} now" for k in changed)
+        raise UserError(f"--resume: {where} was saved with other settings ({differences}); resume with the same ones "
+                        f"(these may change: {', '.join(sorted(may_differ))}), or start a new run in another --output-dir")
+
+
 def save(output_dir: str, accelerator, model, optimizer, loop_state: dict) -> None:
     """All processes call this: each writes its RNG state, the main process the rest."""
     final = os.path.join(output_dir, "checkpoint")
@@ -45,19 +89,25 @@ def save(output_dir: str, accelerator, model, optimizer, loop_state: dict) -> No
         )
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        old = final + ".old"
-        shutil.rmtree(old, ignore_errors=True)
-        if os.path.exists(final):
-            os.rename(final, old)
-        os.rename(staging, final)
-        shutil.rmtree(old, ignore_errors=True)
+        swap_in(staging, final)
     accelerator.wait_for_everyone()
+
+
+def saved(output_dir: str, accelerator) -> bool:
+    """Whether `output_dir` has a checkpoint to resume (the same answer on every process)."""
+    path = os.path.join(output_dir, "checkpoint")
+    found = [False]
+    if accelerator.is_main_process:
+        recover(path)
+        found[0] = os.path.exists(os.path.join(path, "state.pt"))
+    broadcast_object_list(found)
+    return found[0]
 
 
 def load(output_dir: str, accelerator, model, optimizer) -> dict:
     """Restore what `save` wrote into `model` and `optimizer`; returns the loop state."""
     path = os.path.join(output_dir, "checkpoint")
-    if not os.path.exists(os.path.join(path, "state.pt")):
+    if not saved(output_dir, accelerator):
         raise UserError(f"--resume: no checkpoint in {path}; run without --resume, or point --output-dir at the run to resume")
     state = torch.load(os.path.join(path, "state.pt"), map_location=accelerator.device, weights_only=False)
     if state["loop"]["world_size"] != accelerator.num_processes:  # every process checks, so none waits alone

@@ -19,6 +19,14 @@ class UserError(ValueError):
     """Bad input from the user: printed as one line naming the field and the fix, no traceback."""
 
 
+def require(minimum: float, fields: dict[str, float], strictly: bool = True) -> None:
+    """UserError naming the first field (`--name` as the command line spells it, value) that is not above
+    `minimum` (or, with strictly=False, at least it); NaN is never."""
+    for name, value in fields.items():
+        if not (value > minimum if strictly else value >= minimum):
+            raise UserError(f"--{name.replace('_', '-')} must be {'>' if strictly else '>='} {minimum:g}, got {value}")
+
+
 def parse(args_type: type[T], defaults_for_task: Callable[[str], T], default_task: str, argv: list[str] | None = None) -> T:
     """`--task NAME` picks the preset whose values become the defaults; every other flag overrides them."""
     quiet_transformers()

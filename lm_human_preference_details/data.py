@@ -209,6 +209,11 @@ def document_stream(name: str, seed: int) -> Iterator[str]:
         raise UserError(f"task.query_dataset={name!r} is unknown; choose books or chatterbot")
 
 
+MAX_SKIPPED_DOCUMENTS = 10_000
+"""documents in a row that make no query before the query settings are taken to make none (OAI's books: nearly
+every passage makes one)"""
+
+
 class QuerySampler:
     """Batches of left-padded queries (B, query_length), this rank's share of a shuffled stream.
 
@@ -227,11 +232,18 @@ class QuerySampler:
         self._queries = self._query_stream()
 
     def _query_stream(self) -> Iterator[list[int]]:
-        index = 0
+        index = skipped_in_a_row = 0
         for text in document_stream(self.task.query_dataset, self.seed):
             tokens = query_tokens(self.tokenizer.encode(text, add_special_tokens=False), self.task.query_length, self.start_token, self.end_token)
             if not tokens:  # OAI would pad it into an all-pad query, which its model asserts against (model.py#L338)
+                skipped_in_a_row += 1
+                if skipped_in_a_row == MAX_SKIPPED_DOCUMENTS:  # it would search forever
+                    raise UserError(
+                        f"task.query_dataset={self.task.query_dataset}: {MAX_SKIPPED_DOCUMENTS} documents in a row make no query with "
+                        f"task.query_length={self.task.query_length}, start_text={self.task.start_text!r}, end_text={self.task.end_text!r} "
+                        "(a query starts after start_text and ends at the last end_text within query_length tokens)")
                 continue
+            skipped_in_a_row = 0
             if index % self.world_size == self.rank:
                 yield tokens
             index += 1

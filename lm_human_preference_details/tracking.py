@@ -8,6 +8,7 @@ Only the main process logs; the others get a Tracker that does nothing.
 import dataclasses
 import json
 import os
+import uuid
 from dataclasses import dataclass
 from typing import Literal
 
@@ -58,9 +59,20 @@ class Tracker:
         if wandb_mode != "disabled":
             import wandb
 
+            # a run id of its own, kept beside the checkpoint: the resumed run continues it, and a new run (another
+            # output dir, or this one without --resume) gets a new one, whatever its name (runs of one preset and
+            # seed share a name: with one id, the second would log into the first, whose later steps drop its own)
+            id_path = os.path.join(output_dir, "wandb_run_id")
+            if resume_after_step is not None and os.path.exists(id_path):
+                with open(id_path) as f:
+                    run_id = f.read().strip()
+            else:
+                run_id = uuid.uuid4().hex
+                with open(id_path, "w") as f:
+                    f.write(run_id + "\n")
             self.wandb = wandb.init(
                 project=project, name=run_name, config=config_dict, mode=wandb_mode, dir=output_dir,
-                id=run_name.replace("/", "_"), resume="allow",
+                id=run_id, resume="allow" if resume_after_step is not None else None,
             )
 
     def log(self, step: int, metrics: dict[str, float]) -> None:

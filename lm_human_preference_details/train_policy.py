@@ -105,6 +105,10 @@ class Args(RunArgs):
     """continue the run in output_dir from its last checkpoint"""
 
 
+MAY_CHANGE_ON_RESUME = {"resume", "save_interval", "sample_interval", "eval_labeler", "output_dir", "wandb_mode", "wandb_project", "run_name"}
+"""what a resumed run may set otherwise; the rest of its settings must be the checkpoint's (`checkpoint.check_same_settings`)"""
+
+
 def defaults_for_task(name: str) -> Args:
     preset = tasks.get_preset(name)
     overrides = dict(preset.policy)
@@ -116,6 +120,13 @@ def defaults_for_task(name: str) -> Args:
 def validate(args: Args, world_size: int) -> None:
     """Fail before any work on sizes that do not divide (# OAI: lm_human_preferences/train_policy.py#L69-L75)."""
     p = args.ppo
+    tasks.check_task(args.task)
+    cli.require(0, {"ppo.total_episodes": p.total_episodes, "ppo.batch_size": p.batch_size, "ppo.nminibatches": p.nminibatches,
+                    "ppo.noptepochs": p.noptepochs, "ppo.gradient_accumulation_steps": p.gradient_accumulation_steps,
+                    "ppo.lr": p.lr, "ppo.adam_eps": p.adam_eps, "sample_interval": args.sample_interval})
+    cli.require(0, {"save_interval": args.save_interval, "rewards.kl_coef": args.rewards.kl_coef}, strictly=False)
+    if args.rewards.adaptive_kl:
+        cli.require(0, {"rewards.target_kl": args.rewards.target_kl, "rewards.horizon": args.rewards.horizon})
     if p.batch_size % world_size:
         raise cli.UserError(f"ppo.batch_size={p.batch_size} must divide evenly over {world_size} processes")
     per_process = p.batch_size // world_size
@@ -139,6 +150,10 @@ def load_reward_model(path: str, tokenizer) -> RewardModel:
     """The frozen reward model; it must read text with the policy's tokenizer."""
     if not os.path.isdir(path):
         raise cli.UserError(f"rewards.trained_model={path}: no such folder; train one with train_reward.py")
+    if not os.path.exists(os.path.join(path, RewardModel.HEAD_FILE)):
+        inside = os.path.join(path, "reward_model")
+        hint = f"pass {inside}, where train_reward.py saved it" if os.path.isdir(inside) else "train one with train_reward.py"
+        raise cli.UserError(f"rewards.trained_model={path} is not a reward model folder (no {RewardModel.HEAD_FILE}): {hint}")
     reward_tokenizer = load_tokenizer(path)
     if reward_tokenizer.get_vocab() != tokenizer.get_vocab():
         raise cli.UserError(
@@ -162,24 +177,32 @@ def train(args: Args, accelerator) -> tuple[PolicyAndValue, ppo.AdaptiveKLContro
     """Run stage 2 (and stage 1 first when no reward model is given); returns the policy and its KL controller."""
     validate(args, accelerator.num_processes)
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
+    tokenizer = load_tokenizer(args.task.base_model)
+    tasks.check_truncate_token(args.task, len(tokenizer))  # like a bad labeler name: an error before stage 1, not after
+    eval_labeler = labelers.load_labeler(args.eval_labeler) if args.eval_labeler else None
+    resume_from_checkpoint = args.resume and checkpoint.saved(args.output_dir, accelerator)
     if args.rewards.trained_model is None:  # OAI: launch.py#L116-L138 (train_new_model): stage 1 first
         reward_args = train_reward.defaults_for_task(args.preset)
         reward_args.task, reward_args.seed = args.task, args.seed
         reward_args.output_dir, reward_args.wandb_mode = os.path.join(args.output_dir, "reward"), args.wandb_mode
         reward_args.run_name = f"{args.run_name_for('policy')}_reward"
         reward_path = os.path.join(reward_args.output_dir, "reward_model")
-        trained = [args.resume and os.path.isdir(reward_path)]
+        trained = [args.resume and os.path.isdir(reward_path)]  # complete: train_reward swaps it in whole
         broadcast_object_list(trained)  # rank 0 decides, so that all processes take the same path
+        if args.resume and not trained[0] and not resume_from_checkpoint:
+            raise cli.UserError(f"--resume: no checkpoint in {args.output_dir}/checkpoint and no reward model in {reward_path}; "
+                                "run without --resume, or point --output-dir at the run to resume")
         if not trained[0]:
             reward_path = train_reward.train(reward_args, accelerator)
+        elif not resume_from_checkpoint:  # killed after stage 1, before stage 2's first checkpoint
+            accelerator.print(f"--resume: the reward model in {reward_path} is done and stage 2 saved no checkpoint: it starts over")
         args.rewards.trained_model = reward_path
+        args.resume = resume_from_checkpoint
     set_seed(args.seed + rank * 100003)  # OAI: lm_human_preferences/utils/core.py#L108-L111
-    tokenizer = load_tokenizer(args.task.base_model)
     pad_id = tokenizer.oai_pad_token_id
     reward_model = load_reward_model(args.rewards.trained_model, tokenizer).to(device).requires_grad_(False)
     ref_policy = PolicyAndValue(load_causal_lm(args.task.base_model), len(tokenizer)).to(device).requires_grad_(False)
     policy = PolicyAndValue(load_causal_lm(args.task.base_model), len(tokenizer)).to(device)
-    eval_labeler = labelers.load_labeler(args.eval_labeler) if args.eval_labeler else None
     p = args.ppo
     optimizer = make_optimizer(p.optimizer, policy.parameters(), p.lr, p.adam_eps)
     kl_ctl = ppo.AdaptiveKLController(args.rewards.kl_coef, args.rewards.target_kl, args.rewards.horizon) if args.rewards.adaptive_kl \
@@ -194,6 +217,7 @@ def train(args: Args, accelerator) -> tuple[PolicyAndValue, ppo.AdaptiveKLContro
     start_update = 1
     if args.resume:
         loop = checkpoint.load(args.output_dir, accelerator, model, optimizer)
+        checkpoint.check_same_settings(loop.get("settings"), args, MAY_CHANGE_ON_RESUME, f"{args.output_dir}/checkpoint")
         kl_ctl.value, start_update = loop["kl_coef"], loop["update"] + 1
         sampler.skip(loop["sampler_batches"])
         accelerator.print(f"resumed after update {loop['update']}")
@@ -295,7 +319,8 @@ def train(args: Args, accelerator) -> tuple[PolicyAndValue, ppo.AdaptiveKLContro
                 for q, r, s in list(zip(queries, scored, scores))[:8]
             ])
         if (args.save_interval and update % args.save_interval == 0) or update == num_updates:
-            loop_state = {"update": update, "kl_coef": kl_ctl.value, "sampler_batches": sampler.batches_drawn, "world_size": world}
+            loop_state = {"update": update, "kl_coef": kl_ctl.value, "sampler_batches": sampler.batches_drawn, "world_size": world,
+                          "settings": checkpoint.settings(args)}
             checkpoint.save(args.output_dir, accelerator, model, optimizer, loop_state)
 
     if accelerator.is_main_process:

@@ -13,6 +13,7 @@
 
 import math
 import os
+import shutil
 from dataclasses import dataclass, field
 
 import torch
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
-from lm_human_preference_details import cli, labelers, tasks
+from lm_human_preference_details import checkpoint, cli, labelers, tasks
 from lm_human_preference_details.data import Labels, QuerySampler, format_queries, load_labels, write_labels
 from lm_human_preference_details.make_labels import make_labels
 from lm_human_preference_details.models import RewardModel, load_causal_lm
@@ -66,6 +67,9 @@ def defaults_for_task(name: str) -> Args:
 
 def validate(args: Args, world_size: int) -> None:
     """Fail before any work on combinations that cannot run (# OAI: lm_human_preferences/train_reward.py#L56-L58)."""
+    tasks.check_task(args.task)
+    cli.require(0, {"batch_size": args.batch_size, "rollout_batch_size": args.rollout_batch_size, "lr": args.lr, "adam_eps": args.adam_eps})
+    cli.require(0, {"labels.num_test": args.labels.num_test, "debug_normalize": args.debug_normalize}, strictly=False)
     if args.labels.num_train <= 0 or args.labels.num_train % args.batch_size:
         raise cli.UserError(f"labels.num_train={args.labels.num_train} must be a positive multiple of batch_size={args.batch_size}")
     if args.batch_size % world_size:
@@ -179,6 +183,7 @@ def train(args: Args, accelerator: Accelerator) -> str:
     tracker = Tracker.for_run(args, "reward", accelerator)
     device = accelerator.device
     tokenizer = load_tokenizer(args.task.base_model)
+    tasks.check_truncate_token(args.task, len(tokenizer))
     pad_id = tokenizer.oai_pad_token_id
     ref_lm = load_causal_lm(args.task.base_model).to(device).requires_grad_(False)
     labels = obtain_labels(args, tokenizer, ref_lm, accelerator)
@@ -223,9 +228,11 @@ def train(args: Args, accelerator: Accelerator) -> str:
         normalize(reward_model, measure, args.debug_normalize, tracker, num_steps, "after", accelerator)
 
     path = os.path.join(args.output_dir, "reward_model")
-    if accelerator.is_main_process:
-        reward_model.save(path)
-        tokenizer.save_pretrained(path)
+    if accelerator.is_main_process:  # written beside, then swapped in: a folder there is a complete one
+        shutil.rmtree(path + ".saving", ignore_errors=True)
+        reward_model.save(path + ".saving")
+        tokenizer.save_pretrained(path + ".saving")
+        checkpoint.swap_in(path + ".saving", path)
         accelerator.print(f"saved the reward model to {path}")
     accelerator.wait_for_everyone()
     tracker.finish()

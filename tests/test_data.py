@@ -237,6 +237,13 @@ def test_sampler_rejects_multi_token_start_text(tokenizer):
         QuerySampler(task, tokenizer, batch_size=B, seed=0)
 
 
+def test_query_settings_that_make_no_query_are_an_error_not_an_endless_search(tokenizer):
+    # a query of one token that is a "!": no sentence of the corpus starts with one
+    never = TaskHParams(base_model="tiny", query_dataset="chatterbot", query_length=1, start_text=None, end_text="!")
+    with pytest.raises(UserError, match=r"10000 documents in a row make no query with task.query_length=1, start_text=None, end_text='!'"):
+        next(QuerySampler(never, tokenizer, batch_size=B, seed=0))
+
+
 def test_format_queries(tokenizer):
     a, b, dot = (tokenizer.convert_tokens_to_ids(c) for c in "ab.")
     queries = left_pad([[5, 6, 7], [8]], 3, PAD)

@@ -238,6 +238,10 @@ def test_a_sync_run_resumed_mid_round_finishes_that_round_then_keeps_its_rounds(
     # lag = the step's weights - the weights that sampled: 0, 1, ... within each round
     assert [(r["lag/min"], r["lag/max"]) for r in steps[6:]] == [(i, i) for i in (0, 1, 0, 1, 2, 3, 0, 1, 2, 3)]
     assert resumed.leftovers() == []
+    # other settings than the checkpoint's: its stream position counts groups of 8 problems, not of 4
+    result = subprocess.run(LAUNCH + ["--output-dir", str(tmp_path / "run"), "--mode", "sync", "--sync-steps", "4", "--steps", "20",
+                                      "--batch-size", "32", "--resume"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "was saved with other settings (batch_size: 64 then, 32 now)" in result.stderr, result.stderr
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """Stage 2 end to end, through the real command line and real processes, on the offline `tiny` preset."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -72,7 +73,7 @@ def test_two_processes_keep_weights_and_kl_coef_identical(tmp_path, tiny_reward_
 
 
 @pytest.mark.slow
-def test_killed_run_resumes_to_the_same_weights(tmp_path, tiny_reward_model):
+def test_killed_run_resumes_to_the_same_weights(tmp_path, tiny_reward_model, monkeypatch, capsys):
     common = ["--task", "tiny", "--rewards.trained-model", tiny_reward_model, "--ppo.total-episodes", str(64 * 6), "--save-interval", "2"]
     run(policy_cmd(*common, "--output-dir", str(tmp_path / "straight")))
 
@@ -100,6 +101,13 @@ def test_killed_run_resumes_to_the_same_weights(tmp_path, tiny_reward_model):
     straight_scores = [m["objective/scores"] for m in read_metrics(tmp_path / "straight" / "metrics.jsonl")]
     assert [m["objective/scores"] for m in read_metrics(metrics_path)] == straight_scores
 
+    # a save killed between its two renames leaves only checkpoint.old, which a resume takes; a resume
+    # with other settings is refused (its LR schedule and query position belong to the old ones)
+    os.rename(killed / "checkpoint", killed / "checkpoint.old")
+    assert_one_line_error(monkeypatch, capsys, [*common, "--output-dir", str(killed), "--resume", "--ppo.lr", "0.123", "--sample-interval", "3"],
+                          "--resume: " + str(killed) + "/checkpoint was saved with other settings (ppo.lr: ")
+    assert (killed / "checkpoint").exists()
+
 
 def test_gradient_accumulation_does_not_change_the_update(tmp_path, tiny_reward_model):
     """A minibatch of 16 in one piece or in 4 micro-batches of 4: the same weights after 2 updates."""
@@ -123,6 +131,17 @@ def test_resume_without_checkpoint_is_one_clear_line(tmp_path, tiny_reward_model
                                                 "--output-dir", str(tmp_path), "--resume"], "--resume: no checkpoint in")
 
 
+def test_a_run_killed_in_or_after_its_own_stage_1_resumes_where_it_can(tmp_path, tiny_reward_model, monkeypatch, capsys):
+    """Nothing saved yet: --resume says so before training a reward model. A reward model saved but no policy
+    checkpoint (killed after stage 1): stage 2 starts over with that reward model, which is not trained again."""
+    assert_one_line_error(monkeypatch, capsys, ["--task", "tiny", "--output-dir", str(tmp_path), "--resume"],
+                          f"--resume: no checkpoint in {tmp_path}/checkpoint and no reward model in {tmp_path}/reward/reward_model")
+    shutil.copytree(tiny_reward_model, tmp_path / "reward" / "reward_model")
+    result = run(policy_cmd("--task", "tiny", "--output-dir", str(tmp_path), "--resume", "--ppo.total-episodes", "128"))
+    assert "stage 2 saved no checkpoint: it starts over" in result.stdout and "held-out accuracy" not in result.stdout  # no stage 1
+    assert [m["step"] for m in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2] and (tmp_path / "policy").exists()
+
+
 def test_reward_model_from_another_tokenizer_is_refused(tmp_path, tiny_reward_model, monkeypatch, capsys):
     from lm_human_preference_details.models import RewardModel
     from lm_human_preference_details.text import load_tokenizer
@@ -141,6 +160,15 @@ def test_reward_model_from_another_tokenizer_is_refused(tmp_path, tiny_reward_mo
         (["--ppo.gradient-accumulation-steps", "5"], "must be divisible by ppo.gradient_accumulation_steps=5"),
         (["--ppo.total-episodes", "10"], "ppo.total_episodes=10 is less than one batch"),
         (["--rewards.trained-model", "/no/such/folder"], "rewards.trained_model=/no/such/folder: no such folder"),
+        (["--rewards.trained-model", "/"], "rewards.trained_model=/ is not a reward model folder"),
+        (["--ppo.nminibatches", "0"], "--ppo.nminibatches must be > 0, got 0"),
+        (["--ppo.batch-size", "-64"], "--ppo.batch-size must be > 0, got -64"),
+        (["--sample-interval", "0"], "--sample-interval must be > 0, got 0"),
+        (["--rewards.horizon", "0"], "--rewards.horizon must be > 0, got 0"),
+        (["--task.query-length", "0"], "--task.query-length must be > 0, got 0"),
+        (["--task.truncate-token", "27", "--task.truncate-after", "12"], "--task.truncate-after 12 must be in [0, task.response_length=12)"),
+        (["--task.truncate-token", "999"], "--task.truncate-token 999 is outside the tokenizer's vocabulary [0, 34)"),
+        (["--eval-labeler", "no_such_module:f"], "no_such_module"),
     ],
 )
 def test_bad_arguments_are_one_clear_line(tmp_path, monkeypatch, capsys, flags, message):

@@ -95,6 +95,10 @@ def bad_label_file(tmp_path, text: str) -> str:
         (lambda tmp: ["--task", "tiny", "--labels.source", bad_label_file(tmp, json.dumps([{"query": [1] * 16, "best": 0}]))],
          "record 0: field 'sample0'"),
         (lambda tmp: ["--task", "tiny", "--labels.labeler", "nosuchmodule:score"], "labeler 'nosuchmodule:score' cannot be loaded"),
+        (lambda tmp: ["--task", "tiny", "--batch-size", "-32"], "--batch-size must be > 0, got -32"),  # 1536 % -32 == 0
+        (lambda tmp: ["--task", "tiny", "--rollout-batch-size", "0"], "--rollout-batch-size must be > 0, got 0"),
+        (lambda tmp: ["--task", "tiny", "--task.temperature", "0"], "--task.temperature must be > 0, got 0.0"),
+        (lambda tmp: ["--task", "tiny", "--task.truncate-token", "34"], "--task.truncate-token 34 is outside the tokenizer's vocabulary [0, 34)"),
     ],
 )
 def test_bad_input_is_one_clear_line(tmp_path, monkeypatch, capsys, make_args, message):

@@ -175,7 +175,7 @@ def launch(args: GRPOArgs) -> None:
     if args.resume:
         from lm_human_preference_details.grpo import trainer  # torch and transformers: only to resume
 
-        state, model = trainer.checkpoint_state(args.output_dir), trainer.checkpoint_model(args.output_dir)
+        state, model = trainer.checkpoint_state(args), trainer.checkpoint_model(args.output_dir)
     else:
         state, model = {"version": 0, "stream_position": 0}, args.model
     version = state["version"]

@@ -29,7 +29,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from lm_human_preference_details import cli
+from lm_human_preference_details import checkpoint, cli
 from lm_human_preference_details.grpo.client import request_json
 from lm_human_preference_details.grpo.config import GRPOArgs, get_preset
 from lm_human_preference_details.grpo.lifetime import exit_now
@@ -144,7 +144,7 @@ def train(args: GRPOArgs, wait_for_servers: Callable[[], list[str]]) -> None:
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model))
     vocab_size = len(tokenizer)
     reference = load_causal_lm(args.model).requires_grad_(False).to(device) if args.kl_coef else None
-    state = checkpoint_state(args.output_dir) if args.resume else {"version": 0, "stream_position": 0}
+    state = checkpoint_state(args) if args.resume else {"version": 0, "stream_position": 0}
     model = load_causal_lm(checkpoint_model(args.output_dir) if args.resume else args.model).to(device)
     optimizer = make_optimizer(args.optimizer, model.parameters(), lr=args.lr, eps=args.adam_eps)
     if args.resume:
@@ -236,43 +236,43 @@ def train(args: GRPOArgs, wait_for_servers: Callable[[], list[str]]) -> None:
                                           for s in samples[: args.group_size]])
         log.info("step %d reward %.3f lag %.2f samples/s %.1f", version, metrics["reward/mean"], metrics["lag/mean"], metrics["samples_per_s"])
         if args.save_interval and (version % args.save_interval == 0 or version == args.steps):
-            save_checkpoint(args.output_dir, model, tokenizer, optimizer, version, reader.position - len(buffered))
+            save_checkpoint(args, model, tokenizer, optimizer, version, reader.position - len(buffered))
     sender.wait()
     reader.close()
     tracker.finish()
 
 
-def save_checkpoint(output_dir: str, model, tokenizer, optimizer, version: int, stream_position: int) -> None:
-    """Model and tokenizer (a folder the servers can load), optimizer, version and stream position;
-    written beside and renamed into place, so a crash mid-save keeps the previous checkpoint."""
-    path = os.path.join(output_dir, CHECKPOINT)
+MAY_CHANGE_ON_RESUME = {"resume", "save_interval", "sample_interval", "output_dir", "wandb_mode", "wandb_project", "run_name",
+                        "steps", "servers", "num_servers", "threads", "request_timeout_s", "max_in_flight", "server_batch_size",
+                        "trainer_host", "weight_backend", "update_bucket_mb"}
+"""what a resumed run may set otherwise (how long it runs, where and how its processes run); the rest must be the
+checkpoint's: the stream position counts groups of its batch size, the optimizer state is of its settings"""
+
+
+def save_checkpoint(args: GRPOArgs, model, tokenizer, optimizer, version: int, stream_position: int) -> None:
+    """Model and tokenizer (a folder the servers can load), optimizer, version, stream position and the run's
+    settings; written beside and swapped into place, so a crash mid-save keeps the previous checkpoint."""
+    path = os.path.join(args.output_dir, CHECKPOINT)
     tmp = path + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(os.path.join(tmp, "model"))
     tokenizer.save_pretrained(os.path.join(tmp, "model"))
     torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
     with open(os.path.join(tmp, "state.json"), "w") as f:
-        json.dump({"version": version, "stream_position": stream_position}, f)
-    if os.path.exists(path):
-        os.rename(path, path + ".old")
-    os.rename(tmp, path)
-    shutil.rmtree(path + ".old", ignore_errors=True)
+        json.dump({"version": version, "stream_position": stream_position, "settings": checkpoint.settings(args)}, f)
+    checkpoint.swap_in(tmp, path)
 
 
-def checkpoint_state(output_dir: str) -> dict:
-    _recover_interrupted_save(output_dir)
-    path = os.path.join(output_dir, CHECKPOINT, "state.json")
+def checkpoint_state(args: GRPOArgs) -> dict:
+    """The checkpoint's version and stream position; a UserError if there is none, or if it was saved with other settings."""
+    checkpoint.recover(os.path.join(args.output_dir, CHECKPOINT))
+    path = os.path.join(args.output_dir, CHECKPOINT, "state.json")
     if not os.path.exists(path):
-        raise cli.UserError(f"--resume: no checkpoint in {output_dir} (none saved yet? see --save-interval)")
+        raise cli.UserError(f"--resume: no checkpoint in {args.output_dir} (none saved yet? see --save-interval)")
     with open(path) as f:
-        return json.load(f)
-
-
-def _recover_interrupted_save(output_dir: str) -> None:
-    """A save killed between its two renames leaves only `checkpoint.old`: put it back."""
-    path = os.path.join(output_dir, CHECKPOINT)
-    if not os.path.exists(path) and os.path.exists(path + ".old"):
-        os.rename(path + ".old", path)
+        state = json.load(f)
+    checkpoint.check_same_settings(state.get("settings"), args, MAY_CHANGE_ON_RESUME, os.path.dirname(path))
+    return state
 
 
 def checkpoint_model(output_dir: str) -> str:

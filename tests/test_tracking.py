@@ -1,0 +1,36 @@
+"""The run's files and its wandb run (offline: the real wandb library, writing its own run folders)."""
+
+import json
+
+from lm_human_preference_details.tracking import Tracker, read_metrics
+
+
+def track(output_dir, name: str, resume_after_step: int | None = None, steps=(1, 2)) -> str:
+    """A run that logs `steps`; returns its wandb run id."""
+    tracker = Tracker(str(output_dir), {"lr": 1e-5}, enabled=True, wandb_mode="offline", project="p", run_name=name,
+                      resume_after_step=resume_after_step)
+    for step in steps:
+        tracker.log(step, {"objective/scores": float(step)})
+    tracker.finish()
+    return (output_dir / "wandb_run_id").read_text().strip()
+
+
+def offline_runs(output_dir) -> list[str]:
+    """The run id of each wandb run folder (`offline-run-<time>-<id>`) that wandb wrote."""
+    return sorted(path.name.rsplit("-", 1)[1] for path in (output_dir / "wandb").glob("offline-run-*"))
+
+
+def test_runs_of_one_name_get_wandb_runs_of_their_own_and_a_resumed_run_continues_its_own(tmp_path):
+    """Runs of one preset and seed share their name: as one wandb run, the second's steps would be dropped
+    (wandb refuses steps below the run's last). A resumed run continues its own; any name is taken."""
+    first = track(tmp_path / "a", "policy_tiny_1")
+    second = track(tmp_path / "b", "policy_tiny_1")
+    assert first != second
+    resumed = track(tmp_path / "a", "policy_tiny_1", resume_after_step=1, steps=(2, 3))
+    assert resumed == first and offline_runs(tmp_path / "a") == [first, first]
+    assert [r["step"] for r in read_metrics(tmp_path / "a" / "metrics.jsonl")] == [1, 2, 3]
+    again = track(tmp_path / "a", "policy_tiny_1")  # the same folder without --resume: a new run
+    assert again != first and [r["step"] for r in read_metrics(tmp_path / "a" / "metrics.jsonl")] == [1, 2]
+    odd = track(tmp_path / "c", "sweep: lr=1e-5; #3 'tf'?")  # an id made of the name would be refused by wandb
+    assert offline_runs(tmp_path / "c") == [odd]
+    assert json.loads((tmp_path / "c" / "args.json").read_text()) == {"lr": 1e-5}

@@ -89,7 +89,8 @@ run_table() {  # NAME SECONDS COMMAND...: one table under its own time limit; on
     if ! timeout -k 15 "$seconds" "$@"; then
         status=1
         echo "$name failed or ran out of its ${seconds} s; the last lines of its logs:"
-        (find "$out/$name" -name '*.log' -o -name 'log.txt' | tail -n 6 | xargs -r tail -n 25) 2>/dev/null || true
+        (find "$out/$name" \( -name '*.log' -o -name 'log.txt' \) -printf '%T@ %p\n' | sort -n | tail -n 6 | cut -d' ' -f2- \
+            | xargs -r tail -n 25) 2>/dev/null || true  # the newest logs: those of the run that failed
     fi
 }
 run_table ppo_speed "${limits[0]}" python3 benchmarks/ppo_speed.py --device "$device" --out-dir "$out/ppo_speed" $trl "${ppo[@]}"

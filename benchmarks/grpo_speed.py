@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 import tyro
 
-from lm_human_preference_details.benchmarking import Device, busy_cpu_s, device_env, machine, run_logged, synchronize
+from lm_human_preference_details.benchmarking import Device, busy_cpu_s, device_env, git_commit, machine, run_logged, synchronize
 from lm_human_preference_details.cli import UserError, main_with_user_errors, split_passthrough
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -148,18 +148,25 @@ def run_schedule(args: Args, name: str, flags: list[str], repeat: int) -> dict:
         cpu.stop()
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
+    return {**steady_state(rows, warm, round_steps), **cpu.result(rows[-1]["samples"] / len(rows))}
+
+
+def steady_state(rows: list[dict], warm: int, round_steps: int) -> dict:
+    """A run's numbers from its metrics.jsonl rows: samples/s, tokens/s, seconds per step and lag over the steps
+    after the first `warm` (the window of the CPU columns; start-up is no schedule's), and the whole run's."""
     elapsed = rows[-1]["time/elapsed_s"]
-    tokens = sum(r["completion/length"] for r in rows) * rows[-1]["samples"] / len(rows)
+    samples_per_row = rows[-1]["samples"] / len(rows)
+    window_s = elapsed - (rows[warm - 1]["time/elapsed_s"] if warm else 0.0)
     return {
-        "samples_per_s": rows[-1]["samples"] / elapsed, "tokens_per_s": tokens / elapsed,
-        "s_per_step": (elapsed - (rows[warm - 1]["time/elapsed_s"] if warm else 0.0)) / (len(rows) - warm),
-        "lag_mean": statistics.fmean(r["lag/mean"] for r in rows),
+        "samples_per_s": samples_per_row * (len(rows) - warm) / window_s,
+        "tokens_per_s": sum(r["completion/length"] for r in rows[warm:]) * samples_per_row / window_s,
+        "s_per_step": window_s / (len(rows) - warm),
+        "samples_per_s_whole_run": rows[-1]["samples"] / elapsed, "lag_mean": statistics.fmean(r["lag/mean"] for r in rows),
         # what the schedule holds once under way, over whole sync rounds (a round's last steps lag most);
         # a run shorter than that: its steps after the warm-up
         "lag_steady": statistics.fmean(r["lag/mean"] for r in rows[warm : len(rows) - (len(rows) - warm) % round_steps] or rows[warm:]),
         "success_last_20": statistics.fmean(r["success/rate"] for r in rows[-20:]),
         "wait_data_s": sum(r["time/wait_data_s"] for r in rows), "elapsed_s": elapsed,
-        **cpu.result(rows[-1]["samples"] / len(rows)),
     }
 
 
@@ -218,8 +225,8 @@ def scaling(args: Args) -> list[dict]:
 
 
 def time_weight_updates(model: str, updates: int, bucket_mb: float, device: Device, log_path: str) -> dict:
-    """A real server generating at full batch; the trainer side pushes `updates` new versions one
-    broadcast per tensor, then `updates` more in buckets of `bucket_mb` MiB."""
+    """A real server generating at full batch; the trainer side pushes 2 x `updates` new versions, in buckets of
+    `bucket_mb` MiB and one broadcast per tensor by turns (the first, bucketed, warms up: medians are taken)."""
     import torch
 
     from lm_human_preference_details.grpo.client import ServerProcess, request_json
@@ -396,6 +403,7 @@ def trl_step_times(args: Args) -> list[float]:
             generation_kwargs={"min_new_tokens": settings.max_tokens} if settings.ignore_eos else None,
             report_to="none", save_strategy="no", logging_steps=1, use_cpu=args.device == "cpu", seed=0, disable_tqdm=True,
             bf16=False,  # TRL's default is bf16 autocast (also on a CPU); every other row computes in fp32
+            gradient_checkpointing=False,  # TRL's default recomputes the forward in the backward; no other row does
         )
         dataset = Dataset.from_dict({"prompt": [p.prompt for p in problems], "answer": [p.answer for p in problems]})
         trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(path), reward_funcs=reward, args=config,
@@ -417,8 +425,9 @@ def run_role(args: Args, role: str, python: str, repeat: int) -> dict:
     run_logged(cmd, result.replace(".json", ".log"), device_env(args.device, python_path=ROOT, TRL_EXPERIMENTAL_SILENCE="1"), ROOT)
     with open(result) as f:
         step_s = json.load(f)
-    # on-policy: it generates, then trains
-    return {"samples_per_s": run_settings(args).batch_size / statistics.median(step_s), "lag_mean": 0.0, "step_s": step_s}
+    # the steps after the first fifth, as the schedules' rows; on-policy: it generates, then trains
+    return {"samples_per_s": run_settings(args).batch_size / statistics.fmean(step_s[len(step_s) // 5:]), "lag_mean": 0.0,
+            "lag_steady": 0.0, "step_s": step_s}
 
 
 def markdown(args: Args, runs: dict[str, list[dict]], updates: list[dict], scaled: list[dict]) -> str:
@@ -427,9 +436,9 @@ def markdown(args: Args, runs: dict[str, list[dict]], updates: list[dict], scale
     pipeline = med["pipeline"]
     flags = f", every launch with `{' '.join(args.extra)}`" if args.extra else ""
     lines = [f"GRPO `{args.task}` preset{flags}, {args.steps} optimizer steps per run, median of {args.repeats} runs per schedule, "
-             f"{machine(args.device)}. Cores busy and CPU per sample: the whole machine's, steps after the first fifth "
-             "(there, samples/s = 1000 x cores busy / CPU ms per sample: a schedule is faster by keeping more cores busy "
-             "or by spending less CPU on a sample).", "",
+             f"{machine(args.device)}. Every column is over the steps after the first fifth (start-up is no schedule's); "
+             "cores busy and CPU per sample are the whole machine's, so that samples/s = 1000 x cores busy / CPU ms per sample "
+             "(a schedule is faster by keeping more cores busy or by spending less CPU on a sample).", "",
              "| schedule | samples/s | tokens/s | tokens/sample | mean lag (steps) | success, last 20 steps | cores busy | "
              "CPU ms/sample | pipeline / this (samples/s) | per round |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -441,7 +450,7 @@ def markdown(args: Args, runs: dict[str, list[dict]], updates: list[dict], scale
         per_sample = "-" if "tokens_per_s" not in m else \
             f"{statistics.median(r['tokens_per_s'] / r['samples_per_s'] for r in runs[name]):.1f}"
         per_round = " / ".join(f"{p['samples_per_s'] / r['samples_per_s']:.2f}" for p, r in zip(runs["pipeline"], runs[name]))
-        lines.append(f"| {name} | {m['samples_per_s']:.0f} | {tokens} | {per_sample} | {m['lag_mean']:.2f} | {success} | "
+        lines.append(f"| {name} | {m['samples_per_s']:.0f} | {tokens} | {per_sample} | {m['lag_steady']:.2f} | {success} | "
                      f"{cores} | {cpu} | {pipeline['samples_per_s'] / m['samples_per_s']:.2f}x | {per_round} |")
     lines += matched_lag(runs, med)
     if updates:
@@ -522,7 +531,8 @@ def save(args: Args, runs: dict[str, list[dict]], updates: list[dict], scaled: l
     """results.json and results.md as they stand (after every run: a benchmark stopped midway keeps its rows)."""
     runs = {name: rs for name, rs in runs.items() if rs}  # the first run is the pipeline's
     with open(os.path.join(args.out_dir, "results.json"), "w") as f:
-        json.dump({"runs": runs, "updates": updates, "scaling": scaled}, f, indent=2)
+        json.dump({"args": dataclasses.asdict(args), "commit": git_commit(), "runs": runs, "updates": updates, "scaling": scaled},
+                  f, indent=2)
     with open(os.path.join(args.out_dir, "results.md"), "w") as f:
         f.write(markdown(args, runs, updates, scaled))
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import tyro
 
-from lm_human_preference_details.benchmarking import Device, device_env, machine, run_logged, synchronize
+from lm_human_preference_details.benchmarking import Device, device_env, git_commit, machine, run_logged, synchronize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -144,6 +144,7 @@ def trl_update_times(args: Args) -> list[float]:
             total_episodes=args.batch_size * (args.warmup + args.updates), local_rollout_forward_batch_size=args.batch_size,
             learning_rate=1e-5, temperature=1.0, num_sample_generations=0, report_to="none", save_strategy="no",
             logging_steps=1, use_cpu=args.device == "cpu", seed=0, disable_tqdm=True,
+            bf16=False, gradient_checkpointing=False,  # as every row: fp32, no recomputed forward (TRL 1.12's PPO ignores both)
         )
         trainer = PPOTrainer(
             args=config, processing_class=tokenizer, model=AutoModelForCausalLM.from_pretrained(path),
@@ -244,7 +245,7 @@ def save(args: Args, main_table: dict, scaling: list[dict]) -> None:
     """results.json and results.md as they stand (after the main table and each scaling row: a benchmark
     stopped midway keeps what it has)."""
     with open(os.path.join(args.out_dir, "results.json"), "w") as f:
-        json.dump({"args": vars(args), "main": main_table, "scaling": scaling}, f, indent=2)
+        json.dump({"args": vars(args), "commit": git_commit(), "main": main_table, "scaling": scaling}, f, indent=2)
     with open(os.path.join(args.out_dir, "results.md"), "w") as f:
         f.write(markdown(args, main_table, scaling))
 

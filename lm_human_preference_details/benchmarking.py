@@ -27,6 +27,15 @@ def machine(device: Device) -> str:
     return f"{os.cpu_count()} CPU cores"
 
 
+def git_commit() -> str | None:
+    """The commit of the code that made a result (None outside a git checkout, as on a machine the tree was copied to)."""
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
 def synchronize(device) -> None:
     """Wait for the GPU's queued work before reading a clock (nothing to wait for on the CPU)."""
     import torch

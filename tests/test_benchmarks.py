@@ -103,6 +103,29 @@ def test_grpo_speed_counts_the_machines_cpu_between_two_rows_of_the_metrics(tmp_
     assert unseen.result(samples_per_row=64) == {}  # a run that never got there: no numbers rather than wrong ones
 
 
+def test_grpo_speed_rows_are_over_the_steps_after_the_warm_up_and_the_table_shows_them():
+    """Start-up is no schedule's: samples/s, tokens/s and lag leave out the first `warm` steps (the CPU columns'
+    window), so that samples/s = 1000 x cores busy / CPU ms per sample holds in the table."""
+    speed = load_script("grpo_speed")
+    # 8 steps of 64 samples: a slow start (1 s), then 0.1 s a step; lag 0 at first, then 1, 3 by turns (rounds of 2)
+    elapsed = [1.0 + 0.1 * i for i in range(8)]
+    rows = [{"time/elapsed_s": t, "samples": 64 * (i + 1), "completion/length": 6.0 if i else 20.0, "lag/mean": 0.0 if i < 2 else (1.0, 3.0)[i % 2],
+             "success/rate": 0.5, "time/wait_data_s": 0.0} for i, t in enumerate(elapsed)]
+    row = speed.steady_state(rows, warm=2, round_steps=2)
+    assert row["samples_per_s"] == pytest.approx(640) and row["s_per_step"] == pytest.approx(0.1)
+    assert row["tokens_per_s"] == pytest.approx(640 * 6) and row["lag_steady"] == pytest.approx(2.0)
+    assert row["samples_per_s_whole_run"] == pytest.approx(512 / 1.7)
+    cpu = {"cores_busy": 1.28, "cpu_ms_per_sample": 2.0}  # 1000 x 1.28 / 2.0 = 640
+    sync = dict(row, samples_per_s=320.0, tokens_per_s=1920.0, lag_steady=1.5)
+    table = speed.markdown(speed.Args(steps=8, repeats=1), {"pipeline": [row | cpu], "sync G=4": [sync | cpu]}, [], [])
+    lines: dict[str, str] = {}
+    for line in table.splitlines():  # the main table's row of each (the matched-lag table's come after)
+        if line.startswith(("| pipeline", "| sync")):
+            lines.setdefault(line.split(" | ")[0].strip("| "), line)
+    assert lines["pipeline"].startswith("| pipeline | 640 | 3840 | 6.0 | 2.00 | 0.50 | 1.28 | 2.00 | 1.00x |")
+    assert lines["sync G=4"].startswith("| sync G=4 | 320 | 1920 | 6.0 | 1.50 | 0.50 | 1.28 | 2.00 | 2.00x | 2.00 |")
+
+
 def test_grpo_speed_compares_each_sync_schedule_with_the_fastest_pipeline_at_no_more_lag():
     speed = load_script("grpo_speed")
     rounds = {"pipeline": [(100, 2.9), (120, 2.8)], "pipeline, 2 steps ahead": [(80, 1.4), (90, 1.6)],

@@ -33,6 +33,14 @@ def cache_dir() -> str:
     return os.environ.get("LMHPD_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "lm_human_preference_details"))
 
 
+def unknown_model(name_or_path: str, error: Exception):
+    """The UserError for a model that cannot be loaded (transformers' OSError names the hub, not the choices)."""
+    from .cli import UserError
+
+    return UserError(f"model {name_or_path!r} cannot be loaded ({str(error).splitlines()[0]}): pass an offline preset "
+                     f"({', '.join((TINY, TINY_MATH, SMOLLM2))}), a local folder, or a hub name with the hub reachable")
+
+
 def resolve_model_path(name_or_path: str) -> str:
     """A local folder for the offline presets (built on first use); anything else unchanged."""
     builders = {TINY: build_tiny, TINY_MATH: build_tiny_math, SMOLLM2: build_smollm2}

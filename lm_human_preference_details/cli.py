@@ -101,6 +101,9 @@ def main_with_user_errors(main: Callable[[], None]) -> Callable[[], None]:
         except UserError as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
+        except KeyboardInterrupt:  # Ctrl-C: a run with checkpoints continues with --resume
+            print("interrupted", file=sys.stderr)
+            sys.exit(130)
         finally:
             torch = sys.modules.get("torch")  # a process that never imported torch has no group (nor imports it now)
             if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():

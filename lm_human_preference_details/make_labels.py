@@ -74,6 +74,9 @@ def defaults_for_task(name: str) -> Args:
 @cli.main_with_user_errors
 def main() -> None:
     args = cli.parse(Args, defaults_for_task, default_task="sentiment")
+    tasks.check_task(args.task)
+    cli.require(0, {"num_labels": args.num_labels, "batch_size": args.batch_size})
+    cli.require(1, {"num_responses": args.num_responses})  # best of one says nothing
     torch.manual_seed(args.seed)
     labeler = labelers.load_labeler(args.labeler)
     tokenizer = load_tokenizer(args.task.base_model)

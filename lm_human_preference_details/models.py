@@ -14,7 +14,7 @@ import torch.nn as nn
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from .assets import resolve_model_path
+from .assets import resolve_model_path, unknown_model
 
 
 def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -81,7 +81,10 @@ def pretrained_config(path: str):
 
 def load_causal_lm(name_or_path: str) -> nn.Module:
     path = resolve_model_path(name_or_path)
-    return disable_dropout(AutoModelForCausalLM.from_pretrained(path, config=pretrained_config(path), dtype=torch.float32))
+    try:
+        return disable_dropout(AutoModelForCausalLM.from_pretrained(path, config=pretrained_config(path), dtype=torch.float32))
+    except OSError as error:
+        raise unknown_model(name_or_path, error) from error
 
 
 class PolicyAndValue(nn.Module):
@@ -135,7 +138,10 @@ class RewardModel(nn.Module):
     def from_pretrained_lm(cls, name_or_path: str) -> "RewardModel":
         """A new reward head on a pretrained LM's trunk (OAI starts the reward model from the policy's LM)."""
         path = resolve_model_path(name_or_path)
-        backbone = AutoModel.from_pretrained(path, config=pretrained_config(path), dtype=torch.float32)
+        try:
+            backbone = AutoModel.from_pretrained(path, config=pretrained_config(path), dtype=torch.float32)
+        except OSError as error:
+            raise unknown_model(name_or_path, error) from error
         return cls(backbone, base_model=name_or_path)
 
     def forward(self, query_responses: torch.Tensor, pad_id: int) -> torch.Tensor:

@@ -42,14 +42,14 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
 
     The returned tokenizer carries OAI's pad id as `oai_pad_token_id`.
     """
-    from .assets import resolve_model_path  # local presets ("tiny", "smollm2-135m") are built on first use
+    from .assets import resolve_model_path, unknown_model  # local presets ("tiny", "smollm2-135m") are built on first use
 
     path = resolve_model_path(name_or_path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-    except OSError:
+    except OSError as error:
         if name_or_path not in GPT2_NAMES:
-            raise
+            raise unknown_model(name_or_path, error) from error
         tokenizer = packaged_gpt2_tokenizer()
     tokenizer.oai_pad_token_id = oai_pad_token_id(tokenizer)
     return tokenizer

@@ -29,7 +29,7 @@ class RunArgs:
     wandb_project: str = "lm-human-preference-details"
     """wandb project"""
     run_name: str | None = None
-    """wandb run name (default: <stage>_<preset>_<seed>)"""
+    """wandb run name (None: <stage>_<preset>_<seed>)"""
 
     def run_name_for(self, stage: str) -> str:
         return self.run_name or f"{stage}_{self.preset}_{self.seed}"

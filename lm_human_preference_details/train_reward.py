@@ -80,6 +80,8 @@ def validate(args: Args, world_size: int) -> None:
         raise cli.UserError("normalize_samples must be positive when normalize_before or normalize_after is set")
     if args.labels.source is None and args.labels.labeler is None:
         raise cli.UserError("labels: give --labels.source FILE or --labels.labeler NAME to make labels on the spot")
+    if args.labels.source is None:
+        labelers.load_labeler(args.labels.labeler)  # a bad name fails now, not once the models are loaded
     _ = args.labels.num_responses  # raises on a labels.type that is not best_of_N
 
 

@@ -39,6 +39,18 @@ with open(os.path.join(sys.argv[1], f"threads{os.environ['RANK']}.json"), "w") a
 """
 
 
+def test_ctrl_c_ends_a_stage_with_one_line_and_status_130(capsys):
+    from lm_human_preference_details import cli
+
+    @cli.main_with_user_errors
+    def interrupted():
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as exit_info:
+        interrupted()
+    assert exit_info.value.code == 130 and capsys.readouterr().err == "interrupted\n"
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="lists native threads through Linux's /proc")
 def test_a_finished_two_process_run_leaves_no_gloo_thread_to_the_interpreter_teardown(tmp_path):
     """gloo threads alive in the teardown can abort a finished run (SIGABRT) once in many runs; none may be left."""

@@ -302,10 +302,19 @@ def test_chat_prompts_go_one_request_per_problem_through_the_chat_template(tmp_p
      "error: --stream redis://127.0.0.1:1/0?stream=s&maxlen=100: --resume finds the checkpoint's place in the stream by counting"),
     (["--weight-backend", "nccl"], "error: --weight-backend nccl: the servers this launcher starts share the trainer's GPU"),
     (["--threads", "-1"], "error: --threads must be >= 0, got -1"),
+    (["--num-problems", "-3"], "error: --num-problems must be >= 0, got -3"),
+    (["--stream", "redis://127.0.0.1:1/0?stream=s"], "error: cannot reach Redis at redis://127.0.0.1:1/0?stream=s"),
 ])
 def test_bad_arguments_are_one_line_errors(tmp_path, flags, message):
     result = subprocess.run(LAUNCH + ["--output-dir", str(tmp_path / "run"), *flags], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith(message), result.stderr
+
+
+def test_what_the_user_can_fix_ends_the_actor_with_one_line_not_a_traceback(tmp_path):
+    result = subprocess.run(LAUNCH + ["--output-dir", str(tmp_path / "run"), "--problems", str(tmp_path / "none.jsonl")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and f"error: the actor: source='{tmp_path}/none.jsonl': no such file" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
 
 
 @pytest.mark.parametrize("role", ["actor", "trainer"])
@@ -331,6 +340,10 @@ def test_servers_started_elsewhere_must_serve_the_weights_the_run_starts_from(tm
         assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith(
             f"error: --servers: {url} serves weights version 3, and this run starts at 0: restart it with "
             "`python -m lm_human_preference_details.grpo.server --model tiny-math --version 0`"), result.stderr
+        for role in ("trainer", "actor"):  # started alone, as on other hosts
+            result = subprocess.run([sys.executable, "-m", f"lm_human_preference_details.grpo.{role}", "--output-dir", str(tmp_path / role),
+                                     "--servers", url], capture_output=True, text=True, timeout=120)
+            assert result.returncode == 2 and f"error: --servers: {url} serves weights version 3" in result.stderr, result.stderr
     finally:
         server.process.kill()
         server.process.wait()

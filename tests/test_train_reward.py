@@ -99,6 +99,7 @@ def bad_label_file(tmp_path, text: str) -> str:
         (lambda tmp: ["--task", "tiny", "--rollout-batch-size", "0"], "--rollout-batch-size must be > 0, got 0"),
         (lambda tmp: ["--task", "tiny", "--task.temperature", "0"], "--task.temperature must be > 0, got 0.0"),
         (lambda tmp: ["--task", "tiny", "--task.truncate-token", "34"], "--task.truncate-token 34 is outside the tokenizer's vocabulary [0, 34)"),
+        (lambda tmp: ["--task", "tiny", "--task.base-model", "no-such-model"], "model 'no-such-model' cannot be loaded"),  # the hub is offline
     ],
 )
 def test_bad_input_is_one_clear_line(tmp_path, monkeypatch, capsys, make_args, message):
@@ -115,6 +116,15 @@ def test_bad_input_through_the_real_command_line(tmp_path):
     result = run_stage("--task", "tiny", "--batch-size", "5", "--output-dir", str(tmp_path), "--wandb-mode", "disabled")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1] == "error: labels.num_train=1536 must be a positive multiple of batch_size=5"
+
+
+@pytest.mark.parametrize("flags, message", [(["--num-labels", "0"], "error: --num-labels must be > 0, got 0"),
+                                            (["--num-responses", "1"], "error: --num-responses must be > 1, got 1"),
+                                            (["--batch-size", "0"], "error: --batch-size must be > 0, got 0")])
+def test_make_labels_refuses_sizes_that_make_no_labels(tmp_path, flags, message):
+    cmd = [sys.executable, "-m", "lm_human_preference_details.make_labels", "--task", "tiny", "--output", str(tmp_path / "l.json"), *flags]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [message], result.stderr
 
 
 def test_make_labels_cli_writes_oai_format(tmp_path):

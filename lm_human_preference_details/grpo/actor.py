@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from lm_human_preference_details import cli
+from lm_human_preference_details.grpo.client import check_serving
 from lm_human_preference_details.grpo.config import GRPOArgs, get_preset, load_task_problems
 from lm_human_preference_details.grpo.lifetime import exit_with_parent
 from lm_human_preference_details.grpo.rewards import Problem, integer_reward, math_rewards
@@ -285,6 +286,7 @@ def main() -> None:
     if args.resume:
         raise cli.UserError("--resume: resume a run through grpo.launch, which restarts the servers with the checkpoint's "
                             "weights and version, drops the stream's records after the checkpoint and starts the actor at its step")
+    check_serving(args.servers, 0, args.model)
     run(args, wait_for_servers=lambda: args.servers)
 
 

@@ -22,6 +22,21 @@ MIN_TEMPERATURE = 1e-4
 0 there, and every sequence of the batch would get NaN probabilities)"""
 
 
+def check_serving(urls: list[str], version: int, model: str, starts: str = "starts") -> None:
+    """UserError unless every server answers and serves weights `version`, the version the run `starts` at (a server
+    left at a later one by an earlier run would refuse every update up to it, and sample with weights not the run's)."""
+    from lm_human_preference_details.cli import UserError
+
+    for url in urls:
+        try:
+            served = request_json("GET", f"{url}/health", timeout_s=30)["model_version"]
+        except ServerError as error:
+            raise UserError(f"--servers: {url} is not serving ({error})") from None
+        if served != version:
+            raise UserError(f"--servers: {url} serves weights version {served}, and this run {starts} at {version}: restart it with "
+                            f"`python -m lm_human_preference_details.grpo.server --model {model} --version {version}`")
+
+
 class ServerError(RuntimeError):
     """A request to a server failed: `status` is the HTTP status, None when it could not be reached."""
 

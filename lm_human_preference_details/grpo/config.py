@@ -27,8 +27,9 @@ class GRPOArgs(RunArgs):
     """`sync` mode: optimizer steps per generation round (G)"""
     steps_ahead: float = 3
     """`pipeline` mode: the actor starts groups for at most this many optimizer steps beyond the
-    servers' weights (bounds the lag: the `tiny` preset's 4 gives a mean lag of about 2.6-2.9, or 2.1-2.3 with
-    24-token completions; 1 leaves the servers idle while the trainer steps). A fraction lets that share of each
+    servers' weights (this sets the lag: the `tiny` preset's 4 gives a mean lag of about 2.6-2.9, or 2.1-2.3 with
+    24-token completions; 1 leaves the servers idle while the trainer steps; the trainer takes groups in the order
+    they finish, so a group that finishes after later ones, or is retried, can lag more). A fraction lets that share of each
     step's problems start a step earlier (2.5: half of them start as with 3, half as with 2), for a lag between
     the two; it needs requests that small (`problems_per_request`)"""
 
@@ -189,7 +190,7 @@ class GRPOArgs(RunArgs):
         for name in ("lr", "ratio_cap", "clip_eps", "grad_clip", "request_timeout_s"):
             if getattr(self, name) <= 0:
                 raise UserError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
-        for name in ("kl_coef", "save_interval", "update_bucket_mb", "threads", "problems_per_request"):
+        for name in ("kl_coef", "save_interval", "update_bucket_mb", "threads", "problems_per_request", "num_problems"):
             if getattr(self, name) < 0:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.groups_per_step() % self.request_problems():

@@ -26,7 +26,7 @@ from multiprocessing.connection import Connection
 
 from lm_human_preference_details import cli
 from lm_human_preference_details.grpo import streams
-from lm_human_preference_details.grpo.client import ServerError, ServerProcess, request_json
+from lm_human_preference_details.grpo.client import ServerError, ServerProcess, check_serving, request_json
 from lm_human_preference_details.grpo.config import GRPOArgs, get_preset
 from lm_human_preference_details.grpo.lifetime import exit_with_parent
 
@@ -48,14 +48,21 @@ def _role(name: str, args: GRPOArgs, server_urls: Connection, first_group: int, 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the launcher decides
     # each role imports only its own side (this module is kept light: the trainer and the actor import it
     # first, and the launcher starts the servers only once it is imported)
-    if name == "trainer":
-        from lm_human_preference_details.grpo import trainer
+    # what the user can fix (a problems file, a stream, a request the servers refuse) ends the role with one line
+    user_facing: tuple[type[Exception], ...] = (cli.UserError, streams.StreamConnectionError)
+    try:
+        if name == "trainer":
+            from lm_human_preference_details.grpo import trainer
 
-        trainer.train_then_exit(args, wait_for_servers=server_urls.recv)
-    else:
-        from lm_human_preference_details.grpo import actor
+            trainer.train_then_exit(args, wait_for_servers=server_urls.recv)
+        else:
+            from lm_human_preference_details.grpo import actor
 
-        actor.run(args, wait_for_servers=server_urls.recv, first_group=first_group)
+            user_facing += (actor.ActorError,)
+            actor.run(args, wait_for_servers=server_urls.recv, first_group=first_group)
+    except user_facing as error:
+        print(f"error: the {name}: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 class Run:
@@ -179,15 +186,7 @@ def launch(args: GRPOArgs) -> None:
     else:
         state, model = {"version": 0, "stream_position": 0}, args.model
     version = state["version"]
-    for url in args.servers:  # servers started elsewhere must serve the weights this run starts from
-        try:
-            served = request_json("GET", f"{url}/health", timeout_s=30)["model_version"]
-        except ServerError as error:
-            raise cli.UserError(f"--servers: {url} is not serving ({error})") from None
-        if served != version:
-            raise cli.UserError(f"--servers: {url} serves weights version {served}, and this run {'resumes' if args.resume else 'starts'} "
-                                f"at {version}: restart it with `python -m lm_human_preference_details.grpo.server --model {model} "
-                                f"--version {version}`")
+    check_serving(args.servers, version, model, "resumes" if args.resume else "starts")  # servers started elsewhere
     # a new run starts from an empty stream (an earlier run's samples are not ours); a resumed run
     # drops what the crashed run generated after its checkpoint, from weights that are gone
     dropped = streams.truncate(args.stream_url(), state["stream_position"])
@@ -216,6 +215,9 @@ def main() -> None:
     args = cli.parse(GRPOArgs, get_preset, "tiny")
     try:
         launch(args)
+    except streams.StreamConnectionError as error:  # the stream's server is not there: the user starts it
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
     except RuntimeError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(1)

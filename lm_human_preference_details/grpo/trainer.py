@@ -30,7 +30,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from lm_human_preference_details import checkpoint, cli
-from lm_human_preference_details.grpo.client import request_json
+from lm_human_preference_details.grpo.client import check_serving, request_json
 from lm_human_preference_details.grpo.config import GRPOArgs, get_preset
 from lm_human_preference_details.grpo.lifetime import exit_now
 from lm_human_preference_details.grpo.streams import open_reader
@@ -297,6 +297,7 @@ def main() -> None:
                             "weights and version, drops the stream's records after the checkpoint and starts the actor at its step")
     if not args.servers:
         raise cli.UserError("--servers: the trainer alone needs the URLs of running servers (or use grpo.launch)")
+    check_serving(args.servers, 0, args.model)
     train_then_exit(args, wait_for_servers=lambda: args.servers)
 
 

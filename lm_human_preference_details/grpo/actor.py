@@ -228,10 +228,12 @@ class Actor:
                     health = await response.json()
                 if response.status != 200:  # stale weights (it lost the trainer): no more requests to it
                     raise ValueError(health.get("error", response.status))
-                if not server.live():
+                if server.live():  # a long-poll answered before a completion that saw newer weights: never lower
+                    server.version = max(server.version, health["model_version"])
+                else:  # back after failing: perhaps restarted, with older weights than it had (then not the newest)
                     log.info("server %s is back", server.url)
-                # what it serves now: lower than before if it restarted (its weights are then not the newest)
-                server.version, server.down_until = health["model_version"], 0.0
+                    server.version = health["model_version"]
+                server.down_until = 0.0
             except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, ValueError) as error:
                 if server.live():
                     log.warning("server %s is not serving (%r): no requests to it until it answers", server.url, error)

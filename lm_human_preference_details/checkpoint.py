@@ -60,13 +60,13 @@ def settings(args) -> dict:
     return flatten(dataclasses.asdict(args), "")
 
 
-def check_same_settings(saved: dict | None, args, may_differ: set[str], where: str) -> None:
-    """UserError naming every setting that differs from the checkpoint's, but those in `may_differ`
-    (checkpoints from before settings were recorded: None, not checked)."""
+def check_same_settings(saved: dict | None, current: dict, may_differ: set[str], where: str) -> None:
+    """UserError naming every setting (`settings`) that differs from the checkpoint's, but those in `may_differ`
+    and those only one side has (a field added or removed since; a checkpoint from before settings were
+    recorded: None, not checked)."""
     if saved is None:
         return
-    current = settings(args)
-    changed = sorted(k for k in saved.keys() | current.keys() if k not in may_differ and saved.get(k) != current.get(k))
+    changed = sorted(k for k in saved.keys() & current.keys() if k not in may_differ and saved[k] != current[k])
     if changed:
         differences = "; ".join(f"{k}: {saved.get(k)!r} then, {current.get(k)!r} now" for k in changed)
         raise UserError(f"--resume: {where} was saved with other settings ({differences}); resume with the same ones "

@@ -125,8 +125,9 @@ def validate(args: Args, world_size: int) -> None:
                     "ppo.noptepochs": p.noptepochs, "ppo.gradient_accumulation_steps": p.gradient_accumulation_steps,
                     "ppo.lr": p.lr, "ppo.adam_eps": p.adam_eps, "sample_interval": args.sample_interval})
     cli.require(0, {"save_interval": args.save_interval, "rewards.kl_coef": args.rewards.kl_coef}, strictly=False)
-    if args.rewards.adaptive_kl:
-        cli.require(0, {"rewards.target_kl": args.rewards.target_kl, "rewards.horizon": args.rewards.horizon})
+    if args.rewards.adaptive_kl:  # (a coefficient of 0 stays 0 however it adapts)
+        cli.require(0, {"rewards.kl_coef": args.rewards.kl_coef, "rewards.target_kl": args.rewards.target_kl,
+                        "rewards.horizon": args.rewards.horizon})
     if p.batch_size % world_size:
         raise cli.UserError(f"ppo.batch_size={p.batch_size} must divide evenly over {world_size} processes")
     per_process = p.batch_size // world_size
@@ -176,6 +177,7 @@ def forward_responses(model, contexts: torch.Tensor, responses: torch.Tensor, pa
 def train(args: Args, accelerator) -> tuple[PolicyAndValue, ppo.AdaptiveKLController | ppo.FixedKLController]:
     """Run stage 2 (and stage 1 first when no reward model is given); returns the policy and its KL controller."""
     validate(args, accelerator.num_processes)
+    requested = checkpoint.settings(args)  # as given: train() fills in the reward model's path, which follows output_dir
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
     tokenizer = load_tokenizer(args.task.base_model)
     tasks.check_truncate_token(args.task, len(tokenizer))  # like a bad labeler name: an error before stage 1, not after
@@ -187,11 +189,16 @@ def train(args: Args, accelerator) -> tuple[PolicyAndValue, ppo.AdaptiveKLContro
         reward_args.output_dir, reward_args.wandb_mode = os.path.join(args.output_dir, "reward"), args.wandb_mode
         reward_args.run_name = f"{args.run_name_for('policy')}_reward"
         reward_path = os.path.join(reward_args.output_dir, "reward_model")
-        trained = [args.resume and os.path.isdir(reward_path)]  # complete: train_reward swaps it in whole
+        trained = [False]
+        if args.resume and accelerator.is_main_process:
+            checkpoint.recover(reward_path)  # a swap killed between its renames
+            trained[0] = os.path.isdir(reward_path)  # complete: train_reward swaps it in whole
         broadcast_object_list(trained)  # rank 0 decides, so that all processes take the same path
-        if args.resume and not trained[0] and not resume_from_checkpoint:
-            raise cli.UserError(f"--resume: no checkpoint in {args.output_dir}/checkpoint and no reward model in {reward_path}; "
-                                "run without --resume, or point --output-dir at the run to resume")
+        if args.resume and not trained[0]:
+            raise cli.UserError(f"--resume: no reward model in {reward_path}" + (
+                ", which the checkpoint's policy was trained against; resume with --rewards.trained-model, or start over"
+                if resume_from_checkpoint else f" and no checkpoint in {args.output_dir}/checkpoint; run without --resume, "
+                "or point --output-dir at the run to resume"))
         if not trained[0]:
             reward_path = train_reward.train(reward_args, accelerator)
         elif not resume_from_checkpoint:  # killed after stage 1, before stage 2's first checkpoint
@@ -217,7 +224,7 @@ def train(args: Args, accelerator) -> tuple[PolicyAndValue, ppo.AdaptiveKLContro
     start_update = 1
     if args.resume:
         loop = checkpoint.load(args.output_dir, accelerator, model, optimizer)
-        checkpoint.check_same_settings(loop.get("settings"), args, MAY_CHANGE_ON_RESUME, f"{args.output_dir}/checkpoint")
+        checkpoint.check_same_settings(loop.get("settings"), requested, MAY_CHANGE_ON_RESUME, f"{args.output_dir}/checkpoint")
         kl_ctl.value, start_update = loop["kl_coef"], loop["update"] + 1
         sampler.skip(loop["sampler_batches"])
         accelerator.print(f"resumed after update {loop['update']}")
@@ -320,7 +327,7 @@ def train(args: Args, accelerator) -> tuple[PolicyAndValue, ppo.AdaptiveKLContro
             ])
         if (args.save_interval and update % args.save_interval == 0) or update == num_updates:
             loop_state = {"update": update, "kl_coef": kl_ctl.value, "sampler_batches": sampler.batches_drawn, "world_size": world,
-                          "settings": checkpoint.settings(args)}
+                          "settings": requested}
             checkpoint.save(args.output_dir, accelerator, model, optimizer, loop_state)
 
     if accelerator.is_main_process:

@@ -182,10 +182,10 @@ def train(args: Args, accelerator: Accelerator) -> str:
     set_seed(args.seed)
     reward_model = RewardModel.from_pretrained_lm(args.task.base_model).to(accelerator.device)
     set_seed(args.seed + accelerator.process_index * 100003)  # OAI: lm_human_preferences/utils/core.py#L108-L111
+    tokenizer = load_tokenizer(args.task.base_model)
+    tasks.check_truncate_token(args.task, len(tokenizer))  # before the run's files and wandb run exist
     tracker = Tracker.for_run(args, "reward", accelerator)
     device = accelerator.device
-    tokenizer = load_tokenizer(args.task.base_model)
-    tasks.check_truncate_token(args.task, len(tokenizer))
     pad_id = tokenizer.oai_pad_token_id
     ref_lm = load_causal_lm(args.task.base_model).to(device).requires_grad_(False)
     labels = obtain_labels(args, tokenizer, ref_lm, accelerator)

@@ -135,7 +135,7 @@ def test_a_run_killed_in_or_after_its_own_stage_1_resumes_where_it_can(tmp_path,
     """Nothing saved yet: --resume says so before training a reward model. A reward model saved but no policy
     checkpoint (killed after stage 1): stage 2 starts over with that reward model, which is not trained again."""
     assert_one_line_error(monkeypatch, capsys, ["--task", "tiny", "--output-dir", str(tmp_path), "--resume"],
-                          f"--resume: no checkpoint in {tmp_path}/checkpoint and no reward model in {tmp_path}/reward/reward_model")
+                          f"--resume: no reward model in {tmp_path}/reward/reward_model and no checkpoint in {tmp_path}/checkpoint")
     shutil.copytree(tiny_reward_model, tmp_path / "reward" / "reward_model")
     result = run(policy_cmd("--task", "tiny", "--output-dir", str(tmp_path), "--resume", "--ppo.total-episodes", "128"))
     assert "stage 2 saved no checkpoint: it starts over" in result.stdout and "held-out accuracy" not in result.stdout  # no stage 1

@@ -222,17 +222,20 @@ class Actor:
         """Follow a server's weight version (long-polling /health) and whether it answers."""
         timeout = aiohttp.ClientTimeout(total=HEALTH_WAIT_S + 5)
         while True:
-            url = f"{server.url}/health?wait_for_version={server.version + 1}&timeout_s={HEALTH_WAIT_S}"
+            asked = server.version
+            url = f"{server.url}/health?wait_for_version={asked + 1}&timeout_s={HEALTH_WAIT_S}"
             try:
                 async with session.get(url, timeout=timeout) as response:
                     health = await response.json()
                 if response.status != 200:  # stale weights (it lost the trainer): no more requests to it
                     raise ValueError(health.get("error", response.status))
-                if server.live():  # a long-poll answered before a completion that saw newer weights: never lower
-                    server.version = max(server.version, health["model_version"])
-                else:  # back after failing: perhaps restarted, with older weights than it had (then not the newest)
+                if not server.live():
                     log.info("server %s is back", server.url)
+                if health["model_version"] < asked:  # a server's version only grows: this one restarted, with older weights
+                    log.warning("server %s restarted at version %d", server.url, health["model_version"])
                     server.version = health["model_version"]
+                else:  # (a completion that saw newer weights may have come back meanwhile: never lower)
+                    server.version = max(server.version, health["model_version"])
                 server.down_until = 0.0
             except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, ValueError) as error:
                 if server.live():

@@ -28,7 +28,7 @@ from lm_human_preference_details import cli
 from lm_human_preference_details.grpo import streams
 from lm_human_preference_details.grpo.client import ServerError, ServerProcess, check_serving, request_json
 from lm_human_preference_details.grpo.config import GRPOArgs, get_preset
-from lm_human_preference_details.grpo.lifetime import exit_with_parent
+from lm_human_preference_details.grpo.lifetime import exit_now, exit_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ def _role(name: str, args: GRPOArgs, server_urls: Connection, first_group: int, 
             actor.run(args, wait_for_servers=server_urls.recv, first_group=first_group)
     except user_facing as error:
         print(f"error: the {name}: {error}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        exit_now(2)  # the trainer may have joined a gloo group, whose teardown at interpreter exit can abort
 
 
 class Run:

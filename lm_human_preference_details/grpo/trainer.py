@@ -136,12 +136,10 @@ def train(args: GRPOArgs, wait_for_servers: Callable[[], list[str]]) -> None:
     launcher starts the trainer while they load: models and optimizer are ready by then)."""
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.torch_threads("trainer"))
-    from transformers import AutoTokenizer
-
-    from lm_human_preference_details.assets import resolve_model_path
+    from lm_human_preference_details.text import load_tokenizer  # an unknown model is one line (`assets.unknown_model`)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model))
+    tokenizer = load_tokenizer(args.model)
     vocab_size = len(tokenizer)
     reference = load_causal_lm(args.model).requires_grad_(False).to(device) if args.kl_coef else None
     state = checkpoint_state(args) if args.resume else {"version": 0, "stream_position": 0}
@@ -271,7 +269,7 @@ def checkpoint_state(args: GRPOArgs) -> dict:
         raise cli.UserError(f"--resume: no checkpoint in {args.output_dir} (none saved yet? see --save-interval)")
     with open(path) as f:
         state = json.load(f)
-    checkpoint.check_same_settings(state.get("settings"), args, MAY_CHANGE_ON_RESUME, os.path.dirname(path))
+    checkpoint.check_same_settings(state.get("settings"), checkpoint.settings(args), MAY_CHANGE_ON_RESUME, os.path.dirname(path))
     return state
 
 

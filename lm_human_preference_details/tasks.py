@@ -45,23 +45,23 @@ class TaskHParams:
     """sampling temperature; logits are divided by it wherever logprobs are computed"""
 
 
-def check_task(task: TaskHParams, prefix: str = "task.") -> None:
+def check_task(task: TaskHParams) -> None:
     """The task's sizes and cuts: a UserError before any work (the vocabulary is checked once the tokenizer
     is loaded: `check_truncate_token`)."""
     from lm_human_preference_details.cli import UserError, require
 
-    require(0, {f"{prefix}query_length": task.query_length, f"{prefix}response_length": task.response_length,
-                f"{prefix}temperature": task.temperature})
+    require(0, {"task.query_length": task.query_length, "task.response_length": task.response_length, "task.temperature": task.temperature})
     if task.truncate_token is not None and not 0 <= task.truncate_after < task.response_length:
-        raise UserError(f"--{prefix}truncate-after {task.truncate_after} must be in [0, {prefix}response_length={task.response_length}): "
+        raise UserError(f"--task.truncate-after {task.truncate_after} must be in [0, task.response_length={task.response_length}): "
                         f"a response has no token at or after it, so every response would get the penalty")
 
 
-def check_truncate_token(task: TaskHParams, vocab_size: int, prefix: str = "task.") -> None:
+def check_truncate_token(task: TaskHParams, vocab_size: int) -> None:
+    """A `truncate_token` the tokenizer has (`vocab_size` ids)."""
     from lm_human_preference_details.cli import UserError
 
     if task.truncate_token is not None and not 0 <= task.truncate_token < vocab_size:
-        raise UserError(f"--{prefix}truncate-token {task.truncate_token} is outside the tokenizer's vocabulary [0, {vocab_size}): "
+        raise UserError(f"--task.truncate-token {task.truncate_token} is outside the tokenizer's vocabulary [0, {vocab_size}): "
                         "no response would contain it, so every response would get the penalty")
 
 

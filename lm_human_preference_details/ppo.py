@@ -188,6 +188,23 @@ def reduce_minibatch_stats(stats: dict[str, list[Tensor]]) -> dict[str, Tensor]:
     return {k: reduce[stat_reduction(k)](torch.stack(v)) for k, v in stats.items()}
 
 
+# the population variances among the stats, and the means they go with
+MEAN_OF_VARIANCE = {"returns/var": "returns/mean", "val/var": "val/mean",
+                    "policy/ratio_var": "policy/ratio_mean", "policy/logprob_diff_var": "policy/logprob_diff_mean"}
+
+
+def merge_micro_batch_stats(parts: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """One minibatch's stats from those of its equal-sized micro-batches (gradient accumulation): the stats
+    of the minibatch in one piece. Means and extremes reduce as `stat_reduction` says; a variance is the
+    mean of the parts' variances plus the variance of their means (the mean alone would leave out how the
+    micro-batches differ)."""
+    merged = reduce_minibatch_stats({k: [part[k] for part in parts] for k in parts[0]})
+    for variance, mean in MEAN_OF_VARIANCE.items():
+        if variance in merged:
+            merged[variance] = merged[variance] + torch.stack([part[mean] for part in parts]).var(correction=0)
+    return merged
+
+
 def ppo_loss(
     logprobs: Tensor,
     values: Tensor,

@@ -269,6 +269,7 @@ def train(args: Args, accelerator) -> tuple[PolicyAndValue, ppo.AdaptiveKLContro
             for mb_start in range(0, per_process, minibatch):
                 mb = order[mb_start : mb_start + minibatch]
                 advantages, returns = ppo.minibatch_advantages(values[mb], rewards[mb], p.gamma, p.lam, p.whiten_rewards)
+                micro_stats = []
                 for micro_start in range(0, minibatch, micro_batch):
                     micro = slice(micro_start, micro_start + micro_batch)
                     idx = mb[micro]
@@ -282,8 +283,9 @@ def train(args: Args, accelerator) -> tuple[PolicyAndValue, ppo.AdaptiveKLContro
                         )
                         accelerator.backward(loss / p.gradient_accumulation_steps)
                     stats.update(ppo.ratio_diagnostics(new_logprobs.detach(), logprobs[idx]))
-                    for k, v in stats.items():
-                        ppo_stats.setdefault(k, []).append(v)
+                    micro_stats.append(stats)
+                for k, v in ppo.merge_micro_batch_stats(micro_stats).items():  # the minibatch's, as OAI logs them
+                    ppo_stats.setdefault(k, []).append(v)
                 optimizer.step()
                 optimizer.zero_grad()
 

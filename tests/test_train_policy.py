@@ -110,20 +110,28 @@ def test_killed_run_resumes_to_the_same_weights(tmp_path, tiny_reward_model, mon
 
 
 def test_gradient_accumulation_does_not_change_the_update(tmp_path, tiny_reward_model):
-    """A minibatch of 16 in one piece or in 4 micro-batches of 4: the same weights after 2 updates."""
+    """A minibatch of 16 in one piece or in 4 micro-batches of 4: the same weights after 2 updates, and the
+    same logged stats (variances included)."""
     from lm_human_preference_details import cli
 
-    weights = []
+    weights, ppo_metrics = [], []
     for steps in (1, 4):
         args = train_policy.defaults_for_task("tiny")
         args.rewards.trained_model, args.output_dir, args.wandb_mode = tiny_reward_model, str(tmp_path / f"accum{steps}"), "disabled"
         args.ppo.batch_size, args.ppo.total_episodes, args.ppo.gradient_accumulation_steps = 16, 32, steps
         policy, _ = train_policy.train(args, cli.make_accelerator())
         weights.append({k: v.detach().clone() for k, v in policy.state_dict().items()})
+        ppo_metrics.append([{k: v for k, v in m.items() if k.startswith("ppo/") and k != "ppo/lr"}
+                            for m in read_metrics(tmp_path / f"accum{steps}" / "metrics.jsonl")])
     initial = PolicyAndValue(load_causal_lm("tiny")).state_dict()
     for name, value in weights[0].items():
         torch.testing.assert_close(weights[1][name], value, rtol=1e-4, atol=1e-6)
     assert any(not torch.equal(weights[0][name], initial[name]) for name in initial)  # the updates did move the weights
+    assert len(ppo_metrics[0]) == 2 and "ppo/returns/var" in ppo_metrics[0][0]
+    for whole, accumulated in zip(*ppo_metrics):
+        assert accumulated.keys() == whole.keys()
+        for key, value in whole.items():
+            assert accumulated[key] == pytest.approx(value, rel=1e-3, abs=1e-6), key
 
 
 def test_resume_without_checkpoint_is_one_clear_line(tmp_path, tiny_reward_model, monkeypatch, capsys):

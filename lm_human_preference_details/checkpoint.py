@@ -35,13 +35,30 @@ def set_rng_state(state: dict) -> None:
 
 def swap_in(staging: str, final: str) -> None:
     """Make the complete folder `staging` the checkpoint `final`, replacing the previous one. A crash between the
-    two renames leaves the previous one as `final.old`, which `recover` puts back."""
+    two renames leaves the previous one as `final.old`, which `recover` puts back. `staging`'s files reach the
+    disk before the renames, and the renames before the old one is deleted: after a power cut the file
+    system may keep a rename but not the data written before it, which would leave empty files behind
+    a complete-looking checkpoint."""
     old = final + ".old"
     shutil.rmtree(old, ignore_errors=True)
+    for folder, _, files in os.walk(staging):
+        for name in files:
+            _fsync(os.path.join(folder, name))
+        _fsync(folder)
     if os.path.exists(final):
         os.rename(final, old)
     os.rename(staging, final)
+    _fsync(os.path.dirname(os.path.abspath(final)))
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync(path: str) -> None:
+    """Flush a file's data, or a folder's entries, to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def recover(final: str) -> None:

@@ -27,8 +27,10 @@ def require(minimum: float, fields: dict[str, float], strictly: bool = True) -> 
             raise UserError(f"--{name.replace('_', '-')} must be {'>' if strictly else '>='} {minimum:g}, got {value}")
 
 
-def parse(args_type: type[T], defaults_for_task: Callable[[str], T], default_task: str, argv: list[str] | None = None) -> T:
-    """`--task NAME` picks the preset whose values become the defaults; every other flag overrides them."""
+def parse(args_type: type[T], defaults_for_task: Callable[[str], T], default_task: str, argv: list[str] | None = None,
+          description: str | None = None) -> T:
+    """`--task NAME` picks the preset whose values become the defaults; every other flag overrides them.
+    `--help` opens with `description` (default: the docstring of `args_type`)."""
     quiet_transformers()
     argv = list(sys.argv[1:] if argv is None else argv)
     task = default_task
@@ -41,7 +43,7 @@ def parse(args_type: type[T], defaults_for_task: Callable[[str], T], default_tas
             task = arg.split("=", 1)[1]
             del argv[i]
             break
-    description = f"{args_type.__doc__}\n\n`--task NAME` picks a preset of tasks.py (default {default_task}) whose values are the defaults below; any flag overrides them."
+    description = f"{description or args_type.__doc__}\n\n`--task NAME` picks a preset of tasks.py (default {default_task}) whose values are the defaults below; any flag overrides them."
     return tyro.cli(args_type, default=defaults_for_task(task), args=argv, description=description)
 
 

@@ -43,7 +43,7 @@ def main() -> None:
     argv = sys.argv[1:]
     if not any(a == "--output-dir" or a.startswith("--output-dir=") for a in argv):
         argv = [*argv, "--output-dir", "runs/quickstart"]
-    args = cli.parse(train_policy.Args, train_policy.defaults_for_task, default_task=PRESET, argv=argv)
+    args = cli.parse(train_policy.Args, train_policy.defaults_for_task, default_task=PRESET, argv=argv, description=__doc__)
     accelerator = cli.make_accelerator()
     tokenizer = load_tokenizer(args.task.base_model)
     probe = next(QuerySampler(args.task, tokenizer, batch_size=4, seed=args.seed + 7))  # queries shown before and after

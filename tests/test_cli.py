@@ -82,3 +82,22 @@ def test_quiet_transformers_works_before_and_after_transformers_is_imported_and_
     env = {k: v for k, v in os.environ.items() if k not in ("TRANSFORMERS_VERBOSITY", "HF_HUB_DISABLE_PROGRESS_BARS")}
     out = subprocess.run([sys.executable, "-c", QUIET_THEN_REPORT, when], capture_output=True, text=True, check=True, env=env)
     assert out.stdout.split() == [str(when == "after"), str(logging.ERROR), "False"]
+
+
+@pytest.mark.parametrize("module, purpose, flag", [
+    ("quickstart", "The whole OAI pipeline in miniature", "--ppo.total-episodes"),
+    ("grpo.trainer", "The GRPO trainer: reads groups from the stream", "--sync-steps"),
+    ("grpo.actor", "The actor: keeps the inference servers busy", "--sync-steps"),
+])
+def test_a_script_that_takes_another_stages_flags_describes_itself_in_help(monkeypatch, capsys, module, purpose, flag):
+    """quickstart takes train_policy's flags and the GRPO roles the launcher's: --help still says what the script does."""
+    import importlib
+
+    script = importlib.import_module(f"lm_human_preference_details.{module}")
+    monkeypatch.setattr(sys, "argv", [module, "--help"])
+    with pytest.raises(SystemExit) as exit_info:
+        script.main()
+    help_text = capsys.readouterr().out
+    assert exit_info.value.code == 0
+    assert purpose in help_text and "Stage 2" not in help_text and "trained the PipelineRL way" not in help_text
+    assert flag in help_text

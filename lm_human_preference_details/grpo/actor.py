@@ -286,7 +286,7 @@ def run(args: GRPOArgs, wait_for_servers: Callable[[], list[str]], first_group: 
 @cli.main_with_user_errors
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s actor %(message)s")
-    args = cli.parse(GRPOArgs, get_preset, "tiny")
+    args = cli.parse(GRPOArgs, get_preset, "tiny", description=__doc__.split("\n\n")[0])  # the launcher's flags, this role's purpose
     args.check()
     if args.resume:
         raise cli.UserError("--resume: resume a run through grpo.launch, which restarts the servers with the checkpoint's "

@@ -287,7 +287,7 @@ def train_then_exit(args: GRPOArgs, wait_for_servers: Callable[[], list[str]]) -
 @cli.main_with_user_errors
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(message)s")
-    args = cli.parse(GRPOArgs, get_preset, "tiny")
+    args = cli.parse(GRPOArgs, get_preset, "tiny", description=__doc__.split("\n\n")[0])  # the launcher's flags, this role's purpose
     args.check()
     args.check_weight_backend()
     if args.resume:

@@ -113,7 +113,7 @@ def reference_reward_stats(reward_model, ref_lm, sampler: QuerySampler, task: Ta
         )
         rewards.append(reward_model(torch.cat([queries, responses], dim=1), pad_id))
     rewards = torch.cat(rewards).double()
-    sums = accelerator.reduce(torch.stack([rewards.sum(), rewards.square().sum(), torch.tensor(float(len(rewards)), dtype=torch.float64)]), "sum")
+    sums = accelerator.reduce(torch.stack([rewards.sum(), rewards.square().sum(), rewards.new_tensor(float(len(rewards)))]), "sum")
     mean = sums[0] / sums[2]
     return float(mean), float(torch.sqrt(sums[1] / sums[2] - mean**2))
 
@@ -126,6 +126,9 @@ def normalize(reward_model, measure, debug_samples: int, tracker: Tracker, step:
     """
     reward_model.reset_reward_scale()
     mean, std = measure(None)
+    if not (math.isfinite(mean) and math.isfinite(std) and std > 0):  # OAI asserts finite: train_reward.py#L182-L186
+        raise RuntimeError(f"normalize {when}: the reference samples' rewards have mean {mean} and std {std}; gain and bias "
+                           "need a finite mean and a std above 0 (a reward model that diverged, or scores every sample alike)")
     reward_model.set_reward_norm(old_mean=mean, old_std=std, new_mean=0.0, new_std=1.0)
     gain, bias = reward_model.gain.item(), reward_model.bias.item()
     stats = {f"norm/{when}/mean": mean, f"norm/{when}/std": std, f"norm/{when}/gain": gain, f"norm/{when}/bias": bias}

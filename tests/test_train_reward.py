@@ -138,3 +138,35 @@ def test_make_labels_cli_writes_oai_format(tmp_path):
     for r in records:
         assert len(r["query"]) == task.query_length and 0 <= r["best"] < 4
         assert all(len(r[f"sample{k}"]) == task.response_length for k in range(4))
+
+
+def test_reference_reward_stats_stay_on_the_models_device(monkeypatch):
+    """On a GPU the rewards, and so the sums reduced across processes, are on the GPU: the sample count must
+    be too (`torch.stack` refuses a CPU tensor among CUDA ones). The `meta` device stands in for CUDA here."""
+    device = torch.device("meta")
+    monkeypatch.setattr(train_reward, "sample_responses", lambda lm, contexts, *a, **k: (torch.zeros(len(contexts), 3, dtype=torch.long, device=device), None))
+    monkeypatch.setattr(train_reward, "format_queries", lambda queries, tokenizer, task: queries)
+    tokenizer = type("Tokenizer", (), {"oai_pad_token_id": 9, "__len__": lambda self: 7})()
+    sampler = type("Sampler", (), {"batch_size": 4, "__next__": lambda self: torch.zeros(4, 2, dtype=torch.long)})()
+    reduced = []
+
+    def reduce(tensor, reduction):  # one process: the sums as they are (meta tensors hold no values: 4 rewards of 1)
+        reduced.append((tensor.device, reduction))
+        return torch.tensor([4.0, 4.0, 4.0], dtype=torch.float64)
+
+    accelerator = type("Accelerator", (), {"device": device, "num_processes": 1, "reduce": staticmethod(reduce)})()
+    reward_model = lambda ids, pad_id: torch.ones(len(ids), device=device)  # noqa: E731
+    mean, std = train_reward.reference_reward_stats(reward_model, None, sampler, get_preset("tiny").task, tokenizer, 4, accelerator)
+    assert reduced == [(device, "sum")] and (mean, std) == (1.0, 0.0)
+
+
+@pytest.mark.parametrize("mean, std", [(0.5, 0.0), (math.nan, 1.0), (0.5, math.nan), (0.5, math.inf)])
+def test_normalize_refuses_rewards_it_cannot_map_to_a_standard_normal(mean, std):
+    """A std of 0 or a NaN would make gain and bias NaN or infinite, saved with the model and scoring every
+    sample of stage 2 as NaN (OAI asserts the numbers are finite)."""
+    calls = []
+    reward_model = type("RewardModel", (), {"reset_reward_scale": lambda self: calls.append("reset"),
+                                            "set_reward_norm": lambda self, **kwargs: calls.append("set")})()
+    with pytest.raises(RuntimeError, match=f"normalize before: the reference samples' rewards have mean {mean} and std {std}"):
+        train_reward.normalize(reward_model, lambda n: (mean, std), 0, None, 0, "before", None)
+    assert calls == ["reset"]

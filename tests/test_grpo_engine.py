@@ -12,7 +12,7 @@ from lm_human_preference_details.assets import tiny_math_prompt
 from lm_human_preference_details.grpo.config import GRPOArgs, get_preset
 from lm_human_preference_details.grpo.engine import Engine, GenerationRequest, sample_tokens
 from lm_human_preference_details.grpo.server import load_for_inference
-from lm_human_preference_details.grpo.trainer import batch_tensors, flatten_groups, pack, token_logprobs
+from lm_human_preference_details.grpo.trainer import batch_tensors, check_group, flatten_groups, pack, token_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -428,3 +428,19 @@ def test_shared_prompt_forward_refuses_sliding_window_layers():
     batch = batch_tensors([group], [(0, 0, 2)], "cpu")
     with pytest.raises(NotImplementedError, match="sliding-window"):
         token_logprobs(MistralForCausalLM(config).eval(), batch, 1.0, 16)
+
+
+def test_the_trainer_refuses_groups_sampled_with_other_settings_than_its_own():
+    """A trainer and an actor started apart with different flags: a group of another size would be merged with
+    or split from its neighbours by the baseline, logprobs at another temperature make every ratio pi/mu wrong."""
+    from lm_human_preference_details.cli import UserError
+    from lm_human_preference_details.grpo.config import get_preset
+
+    args = get_preset("tiny")  # groups of 8, temperature 1
+    group = {"problem_id": "sum-1-2", "temperature": 1.0, "attempts": [{"reward": 1.0}] * 8}
+    check_group(group, args)
+    check_group({k: v for k, v in group.items() if k != "temperature"}, args)  # a stream from before it was recorded
+    with pytest.raises(UserError, match="group for problem 'sum-1-2' has 4 attempts, this trainer's --group-size is 8"):
+        check_group({**group, "attempts": group["attempts"][:4]}, args)
+    with pytest.raises(UserError, match="sampled at temperature 0.7, this trainer's --temperature is 1.0"):
+        check_group({**group, "temperature": 0.7}, args)

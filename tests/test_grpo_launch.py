@@ -258,6 +258,7 @@ def test_the_stream_can_be_a_redis_stream_and_the_weights_go_one_broadcast_per_t
     assert len(entries) >= 10 * 8  # 8 groups per step
     record = json.loads(entries[0][1][b"json"])
     assert len(record["attempts"]) == 8 and {"completion_ids", "logprobs", "versions", "reward"} <= record["attempts"][0].keys()
+    assert record["temperature"] == 1.0  # of the behaviour logprobs, checked by the trainer
     assert not os.path.exists(tmp_path / "run" / "stream.jsonl")
 
 

@@ -149,6 +149,7 @@ class Actor:
                 rewards = await asyncio.get_running_loop().run_in_executor(self._verifier, math_rewards, completions, problem.answer)
             writer.write({
                 "problem_id": problem.id, "answer": problem.answer, "prompt_ids": prompt_ids,
+                "temperature": self.args.temperature,  # of the behaviour logprobs: the trainer's must match
                 "attempts": [
                     {"completion_ids": choice["token_ids"], "logprobs": choice["logprobs"]["token_logprobs"]
                      if "token_logprobs" in choice["logprobs"] else [c["logprob"] for c in choice["logprobs"]["content"]],

@@ -126,6 +126,19 @@ def token_logprobs(model, batch: dict, temperature: float, vocab_size: int) -> t
     return taken, entropy.detach()
 
 
+def check_group(group: dict, args: GRPOArgs) -> None:
+    """UserError when a stream record was made with other settings than this trainer's: a group of another
+    size would be split or merged by the advantage baseline, and logprobs at another temperature make pi/mu
+    wrong for every token (a trainer and an actor started apart, with different flags)."""
+    if len(group["attempts"]) != args.group_size:
+        raise cli.UserError(f"the stream's group for problem {group['problem_id']!r} has {len(group['attempts'])} attempts, "
+                            f"this trainer's --group-size is {args.group_size}: start the trainer with the actor's settings")
+    if group.get("temperature", args.temperature) != args.temperature:  # streams written before it was recorded: trusted
+        raise cli.UserError(f"the stream's group for problem {group['problem_id']!r} was sampled at temperature "
+                            f"{group['temperature']}, this trainer's --temperature is {args.temperature}: start the trainer "
+                            "with the actor's settings")
+
+
 def flatten_groups(groups: list[dict]) -> list[dict]:
     """Stream records (one per problem: prompt and `group_size` attempts) -> one dict per sample."""
     return [{"prompt_ids": g["prompt_ids"], "problem_id": g["problem_id"], **attempt} for g in groups for attempt in g["attempts"]]
@@ -171,6 +184,8 @@ def train(args: GRPOArgs, wait_for_servers: Callable[[], list[str]]) -> None:
                 sender.check()  # with no server left to update, no samples would ever come
                 buffered += reader.read(wanted - len(buffered), timeout_s=1.0)
         groups, buffered = buffered[: args.groups_per_step()], buffered[args.groups_per_step() :]
+        for group in groups:
+            check_group(group, args)
         step_start = time.perf_counter()
         started = started or wait_start
         samples = flatten_groups(groups)

@@ -32,7 +32,7 @@ def group_advantages(
     group_size: int,
     baseline: Literal["mean", "leave_one_out"] = "mean",
     divide_by_std: bool = False,
-    eps: float = 1e-6,
+    eps: float = 1e-4,
 ) -> Tensor:
     """Advantage of each rollout relative to the other rollouts of its prompt.
 
@@ -82,16 +82,24 @@ def group_advantages(
     return adv.reshape(n)
 
 
-def k3_kl(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+# PipelineRL: RLConfig.clamp_log_ratio_ref_new_value, the bound on log ref(x) - log p(x) in the KL penalty
+REF_LOG_RATIO_CLAMP = 10.0
+
+
+def k3_kl(logprobs: Tensor, ref_logprobs: Tensor, max_log_ratio: float | None = None) -> Tensor:
     """Schulman's k3 estimator of KL(p || ref), elementwise: exp(ref - p) - (ref - p) - 1.
 
     logprobs: log p(x) of tokens x sampled from p; ref_logprobs: log ref(x) of the same tokens, same
         shape. Returns the same shape, >= 0 everywhere, 0 where the two are equal; its mean over
         x ~ p is an unbiased estimate of KL(p || ref) (http://joschu.net/blog/kl-approx.html).
+    max_log_ratio: clamp ref - p to [-max, max] first (no gradient beyond): a token the policy has made far
+        likelier than ref would give exp(ref - p) = inf, or far less likely an exp that swamps the loss.
     Carries gradients through both arguments.
     """
-    # PipelineRL: rl_step, approx_kl = exp(log_ratio_ref_new) - log_ratio_ref_new - 1
+    # PipelineRL: rl_step, approx_kl = exp(log_ratio_ref_new_clamp) - log_ratio_ref_new_clamp - 1
     log_ratio = ref_logprobs - logprobs
+    if max_log_ratio is not None:
+        log_ratio = log_ratio.clamp(-max_log_ratio, max_log_ratio)
     return torch.exp(log_ratio) - log_ratio - 1.0
 
 
@@ -173,7 +181,7 @@ def policy_loss(
                          exp(n - b) - (n - b) - 1: the tokens were sampled from the behaviour
                          policy, so this is the unbiased k3 estimate of KL(mu || pi)
                          (PipelineRL's approx_kl_new_old, logged as kl_new_old)
-        kl/ref           masked mean of k3_kl(new_logprobs, ref_logprobs), only when ref given
+        kl/ref           masked mean of k3_kl(new_logprobs, ref_logprobs, REF_LOG_RATIO_CLAMP), only when ref given
     """
     if new_logprobs.shape != behaviour_logprobs.shape or new_logprobs.shape != mask.shape:
         raise ValueError(
@@ -225,7 +233,7 @@ def policy_loss(
 
     kl_ref = None
     if ref_logprobs is not None:
-        kl_ref = k3_kl(new_logprobs, ref_logprobs.detach())
+        kl_ref = k3_kl(new_logprobs, ref_logprobs.detach(), max_log_ratio=REF_LOG_RATIO_CLAMP)
         if kl_coef != 0.0:
             # PipelineRL: rl_step, loss = policy_loss - kl_coef * approx_kl + ...
             objective = objective - kl_coef * kl_ref

@@ -64,6 +64,8 @@ def test_group_advantages_divide_by_std_uses_bessel_correction():
     # eps is added to the std
     with_eps = gl.group_advantages(t(REWARDS), 4, divide_by_std=True, eps=0.1)
     assert abs(with_eps[0].item() - 0.5 / (s1 + 0.1)) < 1e-12
+    default = gl.group_advantages(t(REWARDS), 4, divide_by_std=True)  # TRL's and PipelineRL's 1e-4
+    assert abs(default[0].item() - 0.5 / (s1 + 1e-4)) < 1e-12
 
 
 def test_group_advantages_constant_group_is_zero_with_std():
@@ -102,6 +104,19 @@ def test_k3_nonnegative_and_zero_when_equal():
     assert torch.all(gl.k3_kl(a, a) == 0)
     # hand value: ref - p = ln 2 -> 2 - ln 2 - 1
     assert abs(gl.k3_kl(t([0.0]), t([math.log(2)])).item() - (1 - math.log(2))) < 1e-12
+
+
+def test_k3_clamped_stays_finite_and_stops_the_gradient_beyond_the_bound():
+    """PipelineRL clamps the reference log ratio at 10: a token the policy made 800 nats likelier than the
+    reference gives exp(800) = inf unclamped, and a NaN gradient."""
+    new = t([-900.0, -1.0, 0.0]).requires_grad_()
+    ref = t([-100.0, -1.5, 0.0])
+    assert math.isinf(gl.k3_kl(new, ref)[0].item())
+    kl = gl.k3_kl(new, ref, max_log_ratio=gl.REF_LOG_RATIO_CLAMP)
+    assert kl[0].item() == pytest.approx(math.exp(10) - 11) and kl[2].item() == 0
+    assert kl[1].item() == pytest.approx(math.exp(-0.5) + 0.5 - 1)  # within the bound: unchanged
+    kl.sum().backward()
+    assert new.grad[0].item() == 0 and new.grad[1].item() == pytest.approx(-(math.exp(-0.5) - 1))
 
 
 def test_k3_expectation_is_kl_exactly_and_by_monte_carlo():

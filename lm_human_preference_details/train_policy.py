@@ -41,7 +41,8 @@ class RewardHParams:
     """The reward: a trained model and the KL penalty (# OAI: lm_human_preferences/train_policy.py#L25-L43)."""
 
     trained_model: str | None = None
-    """folder written by train_reward.py; None: train one first in this run (OAI's train_new_model)"""
+    """folder written by train_reward.py; None: train one first in this run (OAI's train_new_model), with the
+    preset's stage-1 settings (for others, run train_reward.py with them and pass its folder here)"""
     kl_coef: float = 0.15
     """the KL coefficient (the initial one when adaptive)"""
     adaptive_kl: bool = True

@@ -11,6 +11,7 @@ import http.client
 import json
 import os
 import random
+import re
 import shutil
 import urllib.request
 from collections.abc import Iterator
@@ -146,29 +147,14 @@ def chatterbot_texts() -> list[str]:
 BOOK_PASSAGES_URL = "https://openaipublic.blob.core.windows.net/lm-human-preferences/datasets/book_passages/{mode}.jsonl"
 """OAI's `books` query dataset: passages of books, one JSON string per line (# OAI: lm_human_preferences/datasets/books.py#L10)"""
 
+TLDR_URL = "https://openaipublic.blob.core.windows.net/lm-human-preferences/tldr/{mode}-subset.json"
+"""OAI's `tldr` query dataset: Reddit posts, a JSON list of objects with their text as `content`
+(# OAI: lm_human_preferences/datasets/tldr.py#L17)"""
+
 
 def book_passages(mode: str) -> list[str]:
     """OAI's book passages of `mode` (`train`: what OAI's query samplers read), downloaded once into the cache."""
-    from .assets import cache_dir
-
-    path = os.path.join(cache_dir(), "book_passages", f"{mode}.jsonl")
-    if not os.path.exists(path):
-        url = BOOK_PASSAGES_URL.format(mode=mode)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        partial = f"{path}.{os.getpid()}.tmp"  # each process of a multi-process run downloads its own, then renames
-        try:
-            with urllib.request.urlopen(url, timeout=60) as response, open(partial, "wb") as f:
-                shutil.copyfileobj(response, f)
-                # a connection closed early reads as the end of the file: the length says whether it was
-                expected = response.headers.get("Content-Length")
-                if expected is not None and f.tell() != int(expected):
-                    raise OSError(f"the connection closed after {f.tell()} of {expected} bytes")
-        except (OSError, http.client.HTTPException) as e:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(partial)
-            raise UserError(f"task.query_dataset=books: cannot download {url} ({e}); put that file at {path}, "
-                            "or use an offline corpus: --task.query-dataset chatterbot") from e
-        os.replace(partial, path)
+    path = _download_once(BOOK_PASSAGES_URL.format(mode=mode), os.path.join("book_passages", f"{mode}.jsonl"), "books")
     passages = []
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(_lines(f, path), 1):
@@ -180,6 +166,54 @@ def book_passages(mode: str) -> list[str]:
                 raise UserError(f"{path}: line {number}: expected a JSON string (a passage), got {type(passage).__name__}")
             passages.append(passage)
     return passages
+
+
+def tldr_posts(mode: str) -> list[str]:
+    """OAI's TL;DR posts of `mode` (`train` or `valid`), downloaded once into the cache, cleaned as OAI cleans them:
+    mojibake fixed by ftfy, runs of 3+ newlines made 2, stripped (# OAI: lm_human_preferences/datasets/tldr.py#L24-L29)."""
+    import ftfy
+
+    path = _download_once(TLDR_URL.format(mode=mode), os.path.join("tldr", f"{mode}-subset.json"), "tldr")
+    with open(path, encoding="utf-8") as f:
+        try:
+            records = json.loads("".join(_lines(f, path)))
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path}: not JSON ({e}); delete the file to download it again") from None
+    if not isinstance(records, list):
+        raise UserError(f"{path}: expected a JSON list of posts, got {type(records).__name__}")
+    posts = []
+    for number, record in enumerate(records):
+        if not (isinstance(record, dict) and isinstance(record.get("content"), str)):
+            raise UserError(f"{path}: post {number}: expected an object with a string `content`, got {str(record)[:80]}")
+        posts.append(re.sub(r"\n{3,}", "\n\n", ftfy.fix_text(record["content"])).strip())
+    return posts
+
+
+def _download_once(url: str, relative_path: str, dataset: str) -> str:
+    """The cached copy of `url` (under the cache folder, at `relative_path`), downloaded if there is none: whole or
+    not at all, so a run never reads a file cut short. A UserError names the URL, where to put the file by hand,
+    and the offline corpus."""
+    from .assets import cache_dir
+
+    path = os.path.join(cache_dir(), relative_path)
+    if os.path.exists(path):
+        return path
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    partial = f"{path}.{os.getpid()}.tmp"  # each process of a multi-process run downloads its own, then renames
+    try:
+        with urllib.request.urlopen(url, timeout=60) as response, open(partial, "wb") as f:
+            shutil.copyfileobj(response, f)
+            # a connection closed early reads as the end of the file: the length says whether it was
+            expected = response.headers.get("Content-Length")
+            if expected is not None and f.tell() != int(expected):
+                raise OSError(f"the connection closed after {f.tell()} of {expected} bytes")
+    except (OSError, http.client.HTTPException) as e:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(partial)
+        raise UserError(f"task.query_dataset={dataset}: cannot download {url} ({e}); put that file at {path}, "
+                        "or use an offline corpus: --task.query-dataset chatterbot") from e
+    os.replace(partial, path)
+    return path
 
 
 def _lines(f, path: str) -> Iterator[str]:
@@ -198,15 +232,16 @@ def document_stream(name: str, seed: int) -> Iterator[str]:
             order = list(range(len(texts)))
             rng.shuffle(order)
             yield from (texts[i] for i in order)
-    elif name == "books":
-        passages = book_passages("train")
+    elif name in ("books", "tldr"):
+        documents = book_passages("train") if name == "books" else tldr_posts("train")
         while True:  # OAI's generator runs again each epoch: `random.seed(seed)`, so the same order every time
-            # OAI: lm_human_preferences/datasets/books.py#L7-L16, language/datasets.py#L33-L47 (seed 0, shuffle, rerun by repeat())
-            order = list(passages)
+            # OAI: lm_human_preferences/datasets/books.py#L7-L16, tldr.py#L10-L22, language/datasets.py#L33-L47
+            # (seed 0, shuffle, rerun by repeat())
+            order = list(documents)
             random.Random(seed).shuffle(order)  # the same permutation as random.seed(seed); random.shuffle(order)
             yield from order
     else:
-        raise UserError(f"task.query_dataset={name!r} is unknown; choose books or chatterbot")
+        raise UserError(f"task.query_dataset={name!r} is unknown; choose books, tldr or chatterbot")
 
 
 MAX_SKIPPED_DOCUMENTS = 10_000

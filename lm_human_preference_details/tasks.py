@@ -20,7 +20,8 @@ class TaskHParams:
     """the pretrained LM that starts the policy, the reference policy and the reward model: a hub name,
     a local folder, or an offline preset (`tiny`, `smollm2-135m`)"""
     query_dataset: str = "books"
-    """where queries come from: `books` (OAI's book passages, downloaded once), `chatterbot` (offline English sentences)"""
+    """where queries come from: `books` (OAI's book passages) or `tldr` (OAI's Reddit posts), downloaded once; `chatterbot`
+    (offline English sentences)"""
     query_length: int = 64
     """tokens per query, padded with the pad id beyond the vocab"""
     query_prefix: str = ""
@@ -114,9 +115,28 @@ def _books(labels: str) -> TaskPreset:
     )
 
 
+def _tldr() -> TaskPreset:
+    # OAI: launch.py#L36-L47 (summarize_tldr_task), #L50-L55 + #L98-L111 (reward tldr), #L171-L187 (policy tldr)
+    return TaskPreset(
+        task=TaskHParams(
+            base_model="gpt2", query_dataset="tldr", query_length=500, query_suffix="\n\nTL;DR:", start_text=None,
+            end_text=None, response_length=75, truncate_token=198, truncate_after=55, temperature=0.7,  # 198: "\n"
+        ),
+        labels=LabelHParams(type="best_of_4", num_train=46_000, source=f"{OAI_LABELS}/tldr/online_45k.json"),
+        reward=dict(batch_size=16, lr=2.5e-5, rollout_batch_size=128, normalize_samples=256),
+        policy=dict(
+            rewards=dict(kl_coef=0.03, adaptive_kl=False),
+            # OAI binds `rewards.whiten=False`, a field its HParams do not have (its tldr run stops there with a
+            # KeyError); read here as the reward whitening it names
+            ppo=dict(total_episodes=1_000_000, batch_size=32, lr=2e-6, noptepochs=4, nminibatches=1, whiten_rewards=False),
+        ),
+    )
+
+
 PRESETS: dict[str, TaskPreset] = {
     "sentiment": _books("sentiment"),
     "descriptiveness": _books("descriptiveness"),
+    "tldr": _tldr(),  # OAI's summarization of Reddit posts (cnndm is not ported: its stories are in a gs:// folder)
     # seconds on a CPU: a 2-layer character-level GPT-2 learns to prefer vowels (labels made on the spot)
     "tiny": TaskPreset(
         task=TaskHParams(

@@ -1,4 +1,4 @@
-"""Label files in OAI's JSON format, the query sampler over the offline chatterbot corpus, and OAI's book passages."""
+"""Label files in OAI's JSON format, the query sampler over the offline chatterbot corpus, OAI's book passages and TL;DR posts."""
 
 import json
 
@@ -256,28 +256,88 @@ def test_format_queries(tokenizer):
     assert format_queries(queries, tokenizer, TaskHParams(base_model="tiny")) is queries
 
 
-# ----------------------------------------------------------------------------- OAI's book passages
-@pytest.fixture
-def book_site(tmp_path, monkeypatch):
-    """OAI's `book_passages/train.jsonl` format (one JSON string per line), served by a real HTTP server in another
-    process in place of OAI's URL; the cache is empty."""
+# ----------------------------------------------------------------------------- OAI's book passages and TL;DR posts
+def serve_folder(folder):
+    """A real HTTP server in another process serving `folder`: (the process, its port)."""
     import subprocess
     import sys
 
+    server = subprocess.Popen([sys.executable, "-u", "-m", "http.server", "0", "--bind", "127.0.0.1", "--directory", str(folder)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return server, int(server.stdout.readline().split("port ")[1].split()[0])
+
+
+@pytest.fixture
+def book_site(tmp_path, monkeypatch):
+    """OAI's `book_passages/train.jsonl` format (one JSON string per line), served over HTTP in place of OAI's URL;
+    the cache is empty."""
     from lm_human_preference_details import data
 
     passages = [f"Chapter {i}. The rain fell on {i} roofs. She said nothing, and left." for i in range(40)] + ["no full stop"]
     site = tmp_path / "site"
     site.mkdir()
     (site / "train.jsonl").write_text("".join(json.dumps(p) + "\n" for p in passages))
-    server = subprocess.Popen([sys.executable, "-u", "-m", "http.server", "0", "--bind", "127.0.0.1", "--directory", str(site)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    port = int(server.stdout.readline().split("port ")[1].split()[0])
+    server, port = serve_folder(site)
     monkeypatch.setattr(data, "BOOK_PASSAGES_URL", f"http://127.0.0.1:{port}/{{mode}}.jsonl")
     monkeypatch.setenv("LMHPD_CACHE", str(tmp_path / "cache"))
     yield passages, server, tmp_path / "cache" / "book_passages" / "train.jsonl"
     server.terminate()
     server.wait(timeout=10)
+
+
+def test_tldr_posts_are_oais_cleaned_the_way_oai_cleans_them_in_oais_order(tmp_path, monkeypatch):
+    """OAI's `tldr/train-subset.json` format (a JSON list of objects, the post as `content`) over HTTP: mojibake
+    fixed by ftfy, 3+ newlines made 2, stripped, shuffled as OAI's tldr_generator shuffles (seed 0, every epoch)."""
+    import random
+    import re
+
+    import ftfy
+
+    from lm_human_preference_details import data
+
+    contents = [f"  My landlord won\u00e2\u20ac\u2122t fix the heater #{i}.\n\n\n\nWhat should I do?\n" for i in range(30)]
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "train-subset.json").write_text(json.dumps([{"id": str(i), "subreddit": "advice", "content": c} for i, c in enumerate(contents)]))
+    server, port = serve_folder(site)
+    monkeypatch.setattr(data, "TLDR_URL", f"http://127.0.0.1:{port}/{{mode}}-subset.json")
+    monkeypatch.setenv("LMHPD_CACHE", str(tmp_path / "cache"))
+    try:
+        stream = data.document_stream("tldr", seed=0)
+        two_epochs = [next(stream) for _ in range(2 * len(contents))]
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    assert two_epochs[0].startswith("My landlord won't fix the heater #") and two_epochs[0].endswith(".\n\nWhat should I do?")
+    state = random.getstate()
+    try:  # OAI's tldr_generator as it is written
+        random.seed(0)
+        oai_posts = [{"content": c} for c in contents]
+        random.seed(0)
+        random.shuffle(oai_posts)
+        oai_order = [re.sub(r"\n{3,}", "\n\n", ftfy.fix_text(d["content"])).strip() for d in oai_posts]
+    finally:
+        random.setstate(state)
+    assert two_epochs == oai_order + oai_order
+    assert data.tldr_posts("train") == sorted(oai_order, key=lambda p: int(p.split("#")[1].split(".")[0]))  # from the cache
+
+    (tmp_path / "cache" / "tldr" / "train-subset.json").write_text(json.dumps([{"content": "a post"}, {"title": "no content"}]))
+    with pytest.raises(UserError, match=r"train-subset.json: post 1: expected an object with a string `content`"):
+        data.tldr_posts("train")
+
+
+def test_the_tldr_preset_is_oais_summarization_task():
+    from lm_human_preference_details import train_policy, train_reward
+
+    policy, reward = train_policy.defaults_for_task("tldr"), train_reward.defaults_for_task("tldr")
+    task = policy.task
+    assert (task.query_dataset, task.query_length, task.query_suffix, task.start_text, task.end_text) == ("tldr", 500, "\n\nTL;DR:", None, None)
+    assert (task.response_length, task.truncate_token, task.truncate_after, task.temperature) == (75, 198, 55, 0.7)
+    assert load_tokenizer("gpt2").encode("\n") == [198]
+    assert (policy.ppo.lr, policy.ppo.batch_size, policy.ppo.whiten_rewards) == (2e-6, 32, False)
+    assert (policy.rewards.kl_coef, policy.rewards.adaptive_kl) == (0.03, False)
+    assert (reward.batch_size, reward.lr, reward.rollout_batch_size, reward.labels.num_train) == (16, 2.5e-5, 128, 46_000)
+    assert reward.labels.source.endswith("/labels/tldr/online_45k.json") and reward.task == task
 
 
 def test_books_are_oais_passages_downloaded_once_in_oais_order_every_epoch(book_site):

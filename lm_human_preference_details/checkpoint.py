@@ -18,17 +18,19 @@ from accelerate.utils import broadcast_object_list
 from .cli import UserError
 
 
-def rng_state() -> dict:
+def rng_state(device: torch.device) -> dict:
+    """The random states a process draws from: torch's, numpy's, Python's, and on a GPU its own GPU's (sampling and
+    shuffles there draw from it; only its own: another process's GPUs, or the number visible, may differ on resume)."""
     state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()  # sampling and shuffles on a GPU draw from these
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict, device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if device.type == "cuda" and "cuda" in state:  # a run saved on the CPU has none: its GPU draws start afresh
+        torch.cuda.set_rng_state(state["cuda"], device)
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
 
@@ -98,7 +100,7 @@ def save(output_dir: str, accelerator, model, optimizer, loop_state: dict) -> No
         shutil.rmtree(staging, ignore_errors=True)
         os.makedirs(staging)
     accelerator.wait_for_everyone()
-    torch.save(rng_state(), os.path.join(staging, f"rng_{accelerator.process_index}.pt"))
+    torch.save(rng_state(accelerator.device), os.path.join(staging, f"rng_{accelerator.process_index}.pt"))
     if accelerator.is_main_process:
         torch.save(
             {"model": accelerator.unwrap_model(model).state_dict(), "optimizer": optimizer.state_dict(), "loop": loop_state},
@@ -135,5 +137,5 @@ def load(output_dir: str, accelerator, model, optimizer) -> dict:
     rng_path = os.path.join(path, f"rng_{accelerator.process_index}.pt")
     accelerator.unwrap_model(model).load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
-    set_rng_state(torch.load(rng_path, weights_only=False))
+    set_rng_state(torch.load(rng_path, weights_only=False), accelerator.device)
     return state["loop"]

@@ -38,3 +38,20 @@ def test_swap_in_flushes_the_new_checkpoint_before_the_renames_and_the_renames_b
     assert events[renames[-1] + 1 :] == [("fsync", str(tmp_path))]  # the folder that holds the renamed entries
     assert (final / "state.pt").read_text() == "new" and (final / "ranks" / "rng_0.pt").read_text() == "new rng"
     assert sorted(os.listdir(tmp_path)) == ["checkpoint"]
+
+
+def test_a_process_on_a_gpu_saves_and_restores_the_random_state_of_its_own_gpu_only(monkeypatch):
+    """Not every visible GPU's (`get_rng_state_all`): a run resumed with fewer GPUs visible to each process failed
+    with an IndexError. Checked through the calls, since this machine has no GPU."""
+    import torch
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: calls.append(("get", device)) or torch.tensor([7], dtype=torch.uint8))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: calls.append(("set", device, state.tolist())))
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: pytest.fail("every GPU's state saved"))
+    gpu = torch.device("cuda", 1)
+    state = checkpoint.rng_state(gpu)
+    checkpoint.set_rng_state(state, gpu)
+    assert calls == [("get", gpu), ("set", gpu, [7])]
+    checkpoint.set_rng_state(checkpoint.rng_state(torch.device("cpu")), gpu)  # saved on the CPU: nothing to restore
+    assert "cuda" not in checkpoint.rng_state(torch.device("cpu")) and len(calls) == 2

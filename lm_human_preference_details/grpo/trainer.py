@@ -159,7 +159,9 @@ def train(args: GRPOArgs, wait_for_servers: Callable[[], list[str]]) -> None:
     model = load_causal_lm(checkpoint_model(args.output_dir) if args.resume else args.model).to(device)
     optimizer = make_optimizer(args.optimizer, model.parameters(), lr=args.lr, eps=args.adam_eps)
     if args.resume:
-        optimizer.load_state_dict(torch.load(os.path.join(args.output_dir, CHECKPOINT, "optimizer.pt")))
+        # onto the CPU first (a checkpoint saved on a GPU resumes without one); load_state_dict moves each
+        # state to its parameter's device
+        optimizer.load_state_dict(torch.load(os.path.join(args.output_dir, CHECKPOINT, "optimizer.pt"), map_location="cpu"))
     version, stream_position = state["version"], state["stream_position"]
     server_urls = wait_for_servers()
     # once the servers serve: a run whose servers never started leaves no wandb run or metrics behind

@@ -13,6 +13,7 @@ CPU on each side however small its tensor, so a small model's 28 tensors cost 20
 bucket of them does.
 """
 
+import contextlib
 import datetime
 import hashlib
 import logging
@@ -146,23 +147,50 @@ def unflatten(flat: list[torch.Tensor], specs: list[ParameterSpec], plan: list[l
     return tensors
 
 
+_TRANSFER_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
+
+
+def transfer_stream(device: torch.device) -> "torch.cuda.Stream | None":
+    """On a GPU, the stream that weight transfers run on (one per GPU, for the life of the process); None on a CPU.
+    Broadcasts queued on the stream that computes would hold up every kernel queued after them until the
+    other side sends or receives (NCCL's `wait` orders streams, it does not block the host): the server's
+    decoding would stall for the whole transfer, the trainer's next step too."""
+    if device.type != "cuda":
+        return None
+    if device not in _TRANSFER_STREAMS:
+        _TRANSFER_STREAMS[device] = torch.cuda.Stream(device)
+    return _TRANSFER_STREAMS[device]
+
+
+def on_stream(stream: "torch.cuda.Stream | None"):
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
 def receive_tensors(group: WeightGroup, specs: list[ParameterSpec], device, bucket_bytes: int = 0) -> list[torch.Tensor]:
     """Server side: one broadcast per bucket (`buckets`; a bucket of one tensor when bucket_bytes is 0),
-    each into a fresh flat buffer (the model is not touched); returns one tensor per spec."""
+    each into a fresh flat buffer (the model is not touched); returns one tensor per spec once every
+    broadcast has arrived (on a GPU: on `transfer_stream`, waited for by the host)."""
     plan = buckets(specs, bucket_bytes)
-    flat = [torch.empty(sum(math.prod(specs[i].shape) for i in bucket), dtype=DTYPES[specs[bucket[0]].dtype], device=device)
-            for bucket in plan]
-    for work in [group.broadcast(buffer) for buffer in flat]:
-        work.wait()
+    stream = transfer_stream(torch.device(device))
+    with on_stream(stream):
+        flat = [torch.empty(sum(math.prod(specs[i].shape) for i in bucket), dtype=DTYPES[specs[bucket[0]].dtype], device=device)
+                for bucket in plan]
+        for work in [group.broadcast(buffer) for buffer in flat]:
+            work.wait()
+    if stream is not None:
+        stream.synchronize()
     return unflatten(flat, specs, plan)
 
 
 def load_tensors(model: torch.nn.Module, specs: list[ParameterSpec], tensors: list[torch.Tensor]) -> None:
-    """Copy received tensors into the model's parameters, all at once (between two decode steps)."""
+    """Copy received tensors into the model's parameters, all at once (between two decode steps). On a GPU it
+    returns once the copies are done: the received buffers may be reused by the next transfer after that."""
     parameters = dict(model.named_parameters())
     with torch.no_grad():
         for spec, tensor in zip(specs, tensors):
             parameters[spec.name].copy_(tensor)
+    if tensors and tensors[0].is_cuda:
+        torch.cuda.current_stream(tensors[0].device).synchronize()
 
 
 class WeightSender:
@@ -203,7 +231,11 @@ class WeightSender:
         specs = parameter_specs(model, dtype)
         with torch.no_grad():
             snapshot = flatten([p.detach() for _, p in model.named_parameters()], buckets(specs, bucket_bytes), dtype)
-        self._queue.put((specs, snapshot, version, bucket_bytes))
+        copied = None
+        if snapshot and snapshot[0].is_cuda:  # the sender thread's transfer stream waits for the copies queued here
+            copied = torch.cuda.Event()
+            copied.record()
+        self._queue.put((specs, snapshot, copied, version, bucket_bytes))
         return self._take_dropped()
 
     def wait(self) -> list[str]:
@@ -233,16 +265,16 @@ class WeightSender:
 
     def _send_forever(self) -> None:
         while True:
-            specs, snapshot, version, bucket_bytes = self._queue.get()
+            specs, snapshot, copied, version, bucket_bytes = self._queue.get()
             try:
                 if self._failed is None:  # after a failure nothing more is sent until push/wait raised it
-                    self._send(specs, snapshot, version, bucket_bytes)
+                    self._send(specs, snapshot, copied, version, bucket_bytes)
             except Exception as error:  # the thread lives on, so that push and wait raise it rather than block
                 self._failed = error
             finally:
                 self._queue.task_done()
 
-    def _send(self, specs: list[ParameterSpec], snapshot: list[torch.Tensor], version: int, bucket_bytes: int) -> None:
+    def _send(self, specs: list[ParameterSpec], snapshot: list[torch.Tensor], copied, version: int, bucket_bytes: int) -> None:
         start = time.perf_counter()
         payload = {"version": version, "parameters": [s.to_json() for s in specs], "bucket_bytes": bucket_bytes}
         announced, refusal = [], None
@@ -259,18 +291,24 @@ class WeightSender:
                     refusal = error            # accepted have this update (they wait for it: a trainer that
                     break                      # stopped now would leave them stale)
                 self._drop(url, error)
-        works = {}  # every server's broadcasts start before any is waited for
-        for url in announced:
-            try:
-                works[url] = [self.groups[url].broadcast(t) for t in snapshot]
-            except RuntimeError as error:  # some backends fail at the call (NCCL: two ranks on one GPU)
-                self._drop(url, error)
-        for url, url_works in works.items():
-            try:
-                for work in url_works:
-                    work.wait()
-            except RuntimeError as error:
-                self._drop(url, error)
+        stream = transfer_stream(snapshot[0].device) if copied is not None else None
+        with on_stream(stream):
+            if stream is not None:
+                stream.wait_event(copied)
+            works = {}  # every server's broadcasts start before any is waited for
+            for url in announced:
+                try:
+                    works[url] = [self.groups[url].broadcast(t) for t in snapshot]
+                except RuntimeError as error:  # some backends fail at the call (NCCL: two ranks on one GPU)
+                    self._drop(url, error)
+            for url, url_works in works.items():
+                try:
+                    for work in url_works:
+                        work.wait()
+                except RuntimeError as error:
+                    self._drop(url, error)
+        if stream is not None:
+            stream.synchronize()  # sent: `wait` and the trainer's exit rely on it, and the snapshot may be freed
         self.last_broadcast_s = time.perf_counter() - start
         if refusal is not None:
             self._failed = refusal

@@ -1,8 +1,8 @@
 """Make best-of-N preference labels with a programmatic labeler, in OAI's label-file format.
 
 For each query the reference policy samples N responses (fixed length, the task's temperature,
-truncated like the responses OAI showed its labelers), the labeler scores them, and the best
-one's index is the label. `python -m lm_human_preference_details.make_labels --task tiny --output labels.json`
+truncated like the responses OAI showed its labelers, and like them only queries whose N responses
+all contain the truncate token), the labeler scores them, and the best one's index is the label. `python -m lm_human_preference_details.make_labels --task tiny --output labels.json`
 """
 
 from dataclasses import dataclass, field
@@ -15,7 +15,7 @@ from .data import Labels, QuerySampler, format_queries, write_labels
 from .models import load_causal_lm
 from .sampling import sample_responses
 from .tasks import TaskHParams
-from .text import load_tokenizer, strip_pad, truncate_after_token
+from .text import contains_truncate_token, load_tokenizer, strip_pad, truncate_after_token
 
 
 @dataclass
@@ -47,14 +47,27 @@ def make_labels(
     pad_id = tokenizer.oai_pad_token_id
     device = next(lm.parameters()).device
     queries, samples, best = [], [], []
-    made = 0
+    made = batches_without_label = 0
     while made < num_labels:
         query = next(sampler)  # (B, Q)
         contexts = format_queries(query, tokenizer, task).repeat_interleave(num_responses, dim=0).to(device)
         responses, _ = sample_responses(lm, contexts, pad_id, task.response_length, task.temperature, vocab_size=len(tokenizer))  # (B*K, R)
-        if task.truncate_token is not None:
-            responses = truncate_after_token(responses, task.truncate_token, task.truncate_after, pad_id)
         responses = responses.cpu()
+        if task.truncate_token is not None:
+            # OAI: lm_human_preferences/lm_tasks.py#L54-L65: labelers see only responses that pass the filter (the
+            # truncate token at or after truncate_after; stage 2 gives the others a fixed penalty, not the reward
+            # model's score), so a query is labeled only when all its responses pass
+            passes = contains_truncate_token(responses, task.truncate_token, task.truncate_after).view(len(query), num_responses).all(1)
+            query, responses = query[passes], responses.view(len(passes), num_responses, -1)[passes].flatten(0, 1)
+            responses = truncate_after_token(responses, task.truncate_token, task.truncate_after, pad_id)
+            batches_without_label = 0 if len(query) else batches_without_label + 1
+            if batches_without_label == MAX_BATCHES_WITHOUT_LABEL:
+                raise cli.UserError(
+                    f"{MAX_BATCHES_WITHOUT_LABEL} batches in a row had no query whose {num_responses} responses all contain "
+                    f"--task.truncate-token {task.truncate_token} at or after --task.truncate-after {task.truncate_after}: "
+                    "the policy rarely samples it there; lower --task.truncate-after or change the token")
+            if not len(query):
+                continue
         query_texts = [text for q in query for text in [tokenizer.decode(strip_pad(q, pad_id))] * num_responses]
         response_texts = [tokenizer.decode(strip_pad(r, pad_id)) for r in responses]
         scores = torch.tensor(labeler(query_texts, response_texts), dtype=torch.float64).view(-1, num_responses)
@@ -64,6 +77,10 @@ def make_labels(
         made += len(query)
         progress(f"  labels: {min(made, num_labels)}/{num_labels}")
     return Labels(torch.cat(queries), torch.cat(samples), torch.cat(best))[:num_labels]
+
+
+MAX_BATCHES_WITHOUT_LABEL = 50
+"""batches in a row whose queries all have a response without the truncate token before the task is taken to make none"""
 
 
 def defaults_for_task(name: str) -> Args:

@@ -170,3 +170,41 @@ def test_normalize_refuses_rewards_it_cannot_map_to_a_standard_normal(mean, std)
     with pytest.raises(RuntimeError, match=f"normalize before: the reference samples' rewards have mean {mean} and std {std}"):
         train_reward.normalize(reward_model, lambda n: (mean, std), 0, None, 0, "before", None)
     assert calls == ["reset"]
+
+
+def test_make_labels_labels_only_queries_whose_responses_all_pass_the_truncation_filter(monkeypatch):
+    """As OAI's labelers saw only responses with the truncate token at or after truncate_after (stage 2 scores
+    the others with a fixed penalty), so a query is labeled only when all its responses have it."""
+    import dataclasses
+
+    from lm_human_preference_details import make_labels
+    from lm_human_preference_details.cli import UserError
+    from lm_human_preference_details.text import contains_truncate_token, strip_pad
+
+    tokenizer = load_tokenizer("tiny")
+    k = tokenizer.encode("k")[0]  # the untrained-looking tiny model samples each character 2-4% of the time
+    task = dataclasses.replace(get_preset("tiny").task, truncate_token=k, truncate_after=1)
+    lm = load_causal_lm(task.base_model)
+    seen = []
+
+    def labeler(queries, responses):
+        seen.extend(responses)
+        return [float(len(r)) for r in responses]
+
+    torch.manual_seed(0)
+    labels = make_labels.make_labels(lm, tokenizer, QuerySampler(task, tokenizer, batch_size=64, seed=0), task, labeler,
+                                     num_labels=12, num_responses=2, progress=lambda line: None)
+    assert len(labels) == 12 and len(seen) >= 2 * 12  # the labeler saw passing responses only
+    pad = tokenizer.oai_pad_token_id
+    for response in labels.samples.flatten(0, 1):
+        assert contains_truncate_token(response[None], k, 1).item()
+        kept = strip_pad(response, pad)
+        assert kept[-1] == k and k not in kept[1:-1]  # cut after the first k from index 1
+    first_queries = next(QuerySampler(task, tokenizer, batch_size=12, seed=0))
+    assert not torch.equal(labels.queries, first_queries)  # queries with a failing response were skipped
+
+    monkeypatch.setattr(make_labels, "MAX_BATCHES_WITHOUT_LABEL", 3)
+    never = dataclasses.replace(task, truncate_after=task.response_length - 1)  # 4 responses ending in k: about 4e-6
+    with pytest.raises(UserError, match=r"3 batches in a row had no query whose 4 responses all contain --task.truncate-token"):
+        make_labels.make_labels(lm, tokenizer, QuerySampler(never, tokenizer, batch_size=64, seed=0), never, labeler, 12, 4,
+                                progress=lambda line: None)

@@ -12,7 +12,7 @@ from lm_human_preference_details.assets import tiny_math_prompt
 from lm_human_preference_details.grpo.config import GRPOArgs, get_preset
 from lm_human_preference_details.grpo.engine import Engine, GenerationRequest, sample_tokens
 from lm_human_preference_details.grpo.server import load_for_inference
-from lm_human_preference_details.grpo.trainer import batch_tensors, check_group, flatten_groups, pack, token_logprobs
+from lm_human_preference_details.grpo.trainer import accumulate_gradients, batch_tensors, check_group, flatten_groups, pack, token_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -312,6 +312,35 @@ def test_shared_prompt_forward_has_the_gradient_of_one_forward_per_sample(tiny_m
     plain = gradients(plain_loss)
     for name in plain:
         torch.testing.assert_close(shared[name], plain[name], atol=1e-10, rtol=1e-8)
+
+
+def test_a_steps_gradient_and_stats_do_not_depend_on_how_its_groups_are_packed(tiny_math):
+    """The loss is summed over the step's tokens and divided by the step's number of sequences in every
+    micro-batch, so one micro-batch or one per attempt gives the same gradient (float64), and the same stats."""
+    import dataclasses
+
+    from lm_human_preference_details.grpo.config import get_preset
+
+    groups = sampled_groups(tiny_math, ["1+2=\\boxed{", "33+44=\\boxed{", "2+2=\\boxed{"], [6, 9, 4], attempts=4)
+    for i, group in enumerate(groups):  # rewards that differ within each group: advantages that are not 0
+        for j, attempt in enumerate(group["attempts"]):
+            attempt["reward"] = float((i + j) % 2)
+    rewards = torch.tensor([s["reward"] for s in flatten_groups(groups)])
+    model, tokenizer = copy.deepcopy(tiny_math[0]).double(), tiny_math[1]
+    runs = []
+    for budget in (10**6, 8):  # everything at once; one attempt per micro-batch
+        args = dataclasses.replace(get_preset("tiny"), group_size=4, token_budget=budget, temperature=0.8, kl_coef=0.0)
+        model.zero_grad()
+        stats = accumulate_gradients(model, None, groups, rewards.double(), args, len(tokenizer))
+        runs.append(({name: p.grad.clone() for name, p in model.named_parameters()}, stats))
+    assert len(pack(groups, 8)) == 12 and len(pack(groups, 10**6)) == 1
+    (whole_grads, whole_stats), (split_grads, split_stats) = runs
+    for name, grad in whole_grads.items():
+        torch.testing.assert_close(split_grads[name], grad, atol=1e-12, rtol=1e-9)
+    assert any(grad.abs().max() > 0 for grad in whole_grads.values())
+    assert split_stats.keys() == whole_stats.keys() >= {"entropy", "ratio/max", "ess"}
+    for key, value in whole_stats.items():
+        assert split_stats[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
 
 
 def test_pack_fills_the_token_budget_and_splits_only_groups_over_it():

@@ -144,6 +144,37 @@ def flatten_groups(groups: list[dict]) -> list[dict]:
     return [{"prompt_ids": g["prompt_ids"], "problem_id": g["problem_id"], **attempt} for g in groups for attempt in g["attempts"]]
 
 
+def accumulate_gradients(model, reference, groups: list[dict], rewards: torch.Tensor, args: GRPOArgs, vocab_size: int) -> dict[str, float]:
+    """One optimizer step's gradients, added into the parameters' `.grad` micro-batch by micro-batch (`pack`):
+    the gradient of the whole step's loss (summed over its tokens, divided by its number of sequences),
+    however the groups are packed. `rewards`: one per sample, in `flatten_groups` order. Returns the step's
+    stats: `policy_loss`'s as token-weighted means, the entropy, and over all its tokens the ratio max and the ESS."""
+    num_sequences = len(rewards)
+    advantages = group_advantages(rewards, args.group_size, args.baseline, args.divide_by_std).to(model.device)
+    stats_sum: dict[str, float] = {}
+    entropy_sum = tokens = 0.0
+    ratios = []  # pi/mu of every completion token: its max and ESS are over the whole batch
+    for indices in pack(groups, args.token_budget):
+        batch = batch_tensors(groups, indices, model.device)
+        new_logprobs, entropy = token_logprobs(model, batch, args.temperature, vocab_size)
+        ref_logprobs = token_logprobs(reference, batch, args.temperature, vocab_size)[0].detach() if reference else None
+        loss, stats = policy_loss(
+            new_logprobs, batch["behaviour"], advantages[batch["rows"]], batch["mask"],
+            num_sequences=num_sequences, loss_type=args.loss_type, ratio_cap=args.ratio_cap,
+            clip_eps=args.clip_eps, ref_logprobs=ref_logprobs, kl_coef=args.kl_coef,
+        )
+        loss.backward()
+        n = float(batch["mask"].sum())
+        for k, v in stats.items():  # token-weighted means over the micro-batches
+            stats_sum[k] = stats_sum.get(k, 0.0) + float(v) * n
+        entropy_sum += float((entropy * batch["mask"]).sum())
+        ratios.append((new_logprobs.detach() - batch["behaviour"]).exp()[batch["mask"].bool()])
+        tokens += n
+    ratios = torch.cat(ratios)
+    return {**{k: v / tokens for k, v in stats_sum.items()}, "entropy": entropy_sum / tokens,
+            "ratio/max": ratios.max().item(), "ess": effective_sample_size(ratios, torch.ones_like(ratios)).item()}
+
+
 def train(args: GRPOArgs, wait_for_servers: Callable[[], list[str]]) -> None:
     """Train until `args.steps`; `wait_for_servers()` returns the servers' URLs once they serve (the
     launcher starts the trainer while they load: models and optimizer are ready by then)."""
@@ -193,26 +224,7 @@ def train(args: GRPOArgs, wait_for_servers: Callable[[], list[str]]) -> None:
         samples = flatten_groups(groups)
 
         rewards = torch.tensor([s["reward"] for s in samples])
-        advantages = group_advantages(rewards, args.group_size, args.baseline, args.divide_by_std)
-        stats_sum: dict[str, float] = {}
-        entropy_sum = tokens = 0.0
-        ratios = []  # pi/mu of every completion token: its max and ESS are over the whole batch
-        for indices in pack(groups, args.token_budget):
-            batch = batch_tensors(groups, indices, model.device)
-            new_logprobs, entropy = token_logprobs(model, batch, args.temperature, vocab_size)
-            ref_logprobs = token_logprobs(reference, batch, args.temperature, vocab_size)[0].detach() if reference else None
-            loss, stats = policy_loss(
-                new_logprobs, batch["behaviour"], advantages.to(model.device)[batch["rows"]], batch["mask"],
-                num_sequences=len(samples), loss_type=args.loss_type, ratio_cap=args.ratio_cap,
-                clip_eps=args.clip_eps, ref_logprobs=ref_logprobs, kl_coef=args.kl_coef,
-            )
-            loss.backward()
-            n = float(batch["mask"].sum())
-            for k, v in stats.items():  # token-weighted means over the micro-batches
-                stats_sum[k] = stats_sum.get(k, 0.0) + float(v) * n
-            entropy_sum += float((entropy * batch["mask"]).sum())
-            ratios.append((new_logprobs.detach() - batch["behaviour"]).exp()[batch["mask"].bool()])
-            tokens += n
+        step_stats = accumulate_gradients(model, reference, groups, rewards, args, vocab_size)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -238,12 +250,10 @@ def train(args: GRPOArgs, wait_for_servers: Callable[[], list[str]]) -> None:
             "success/rate": (rewards == 1).float().mean().item(),
             "lag/min": lag.min().item(), "lag/mean": lag.float().mean().item(), "lag/max": lag.max().item(),
             "samples_per_s": len(samples) / interval, "tokens_per_s": completion_tokens / interval,
-            "entropy": entropy_sum / tokens, "grad_norm": grad_norm.item(), "completion/length": completion_tokens / len(samples),
+            "grad_norm": grad_norm.item(), "completion/length": completion_tokens / len(samples),
             "time/wait_data_s": step_start - wait_start, "time/train_s": now - step_start - push_s,
             "time/push_s": push_s, "time/broadcast_s": sender.last_broadcast_s, "time/elapsed_s": now - started, "samples": version * len(samples),
-            **{k: v / tokens for k, v in stats_sum.items()},
-            "ratio/max": torch.cat(ratios).max().item(),
-            "ess": effective_sample_size(torch.cat(ratios), torch.ones(int(tokens), device=device)).item(),
+            **step_stats,
         }
         tracker.log(version, metrics)
         if version % args.sample_interval == 0 or version == args.steps:

@@ -20,8 +20,8 @@ rm -rf "$wheels"
 # the command lines (tyro), TRL's data sets (datasets), the GRPO math reward (math-verify), the tiny
 # task's queries (chatterbot-corpus), and transformers itself (the image's 5.17 predates the `cache`
 # argument of 5.24) with the huggingface-hub it checks for when imported (>=1.31; 5.17 asked only >=1.5,
-# so the image's may be older; 1.33 is the last 1.x, which needs no package the image's 1.x lacks);
-# versions as this project's CI installs them
+# so the image's may be older; 1.33 is the last 1.x, which needs no package the image's 1.x lacks; CI has 2.4);
+# the others' versions as this project's CI installs them
 download "$wheels" transformers==5.24.0 huggingface-hub==1.33.0 tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 \
     math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2 chatterbot-corpus==1.3.3
 download "$wheels/trl112" trl==1.12.0

@@ -13,6 +13,7 @@ import os
 import random
 import re
 import shutil
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -47,12 +48,16 @@ class Labels:
 
 def read_label_text(source: str) -> str:
     """The text of a label file: local path, http(s) URL, or `hub:PATH` in the hub dataset."""
-    if source.startswith(("http://", "https://")):
+    if source.startswith(("http://", "https://")):  # downloaded once into the cache (OAI's tldr labels: 45k records)
+        from .assets import cache_dir
+
+        url = urllib.parse.urlsplit(source)
+        path = os.path.join(cache_dir(), "labels", url.netloc, url.path.lstrip("/"))
         try:
-            with urllib.request.urlopen(source, timeout=60) as response:
-                return response.read().decode("utf-8")
+            source = download_once(source, path)
         except OSError as e:
-            raise LabelFileError(f"labels.source={source}: cannot download ({e}); pass a local file with --labels.source") from e
+            raise LabelFileError(f"labels.source={source}: cannot download ({e}); pass a local file with --labels.source "
+                                 f"(or put this one at {path})") from e
     if source.startswith("hub:"):
         from huggingface_hub import hf_hub_download
 
@@ -154,7 +159,7 @@ TLDR_URL = "https://openaipublic.blob.core.windows.net/lm-human-preferences/tldr
 
 def book_passages(mode: str) -> list[str]:
     """OAI's book passages of `mode` (`train`: what OAI's query samplers read), downloaded once into the cache."""
-    path = _download_once(BOOK_PASSAGES_URL.format(mode=mode), os.path.join("book_passages", f"{mode}.jsonl"), "books")
+    path = _query_dataset_file(BOOK_PASSAGES_URL.format(mode=mode), os.path.join("book_passages", f"{mode}.jsonl"), "books")
     passages = []
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(_lines(f, path), 1):
@@ -169,11 +174,9 @@ def book_passages(mode: str) -> list[str]:
 
 
 def tldr_posts(mode: str) -> list[str]:
-    """OAI's TL;DR posts of `mode` (`train` or `valid`), downloaded once into the cache, cleaned as OAI cleans them:
-    mojibake fixed by ftfy, runs of 3+ newlines made 2, stripped (# OAI: lm_human_preferences/datasets/tldr.py#L24-L29)."""
-    import ftfy
-
-    path = _download_once(TLDR_URL.format(mode=mode), os.path.join("tldr", f"{mode}-subset.json"), "tldr")
+    """OAI's TL;DR posts of `mode` (`train` or `valid`) as downloaded (once, into the cache): each post's `content`,
+    not yet cleaned (`clean_tldr_post`, applied as a post is read, as OAI's generator does)."""
+    path = _query_dataset_file(TLDR_URL.format(mode=mode), os.path.join("tldr", f"{mode}-subset.json"), "tldr")
     with open(path, encoding="utf-8") as f:
         try:
             records = json.loads("".join(_lines(f, path)))
@@ -185,17 +188,21 @@ def tldr_posts(mode: str) -> list[str]:
     for number, record in enumerate(records):
         if not (isinstance(record, dict) and isinstance(record.get("content"), str)):
             raise UserError(f"{path}: post {number}: expected an object with a string `content`, got {str(record)[:80]}")
-        posts.append(re.sub(r"\n{3,}", "\n\n", ftfy.fix_text(record["content"])).strip())
+        posts.append(record["content"])
     return posts
 
 
-def _download_once(url: str, relative_path: str, dataset: str) -> str:
-    """The cached copy of `url` (under the cache folder, at `relative_path`), downloaded if there is none: whole or
-    not at all, so a run never reads a file cut short. A UserError names the URL, where to put the file by hand,
-    and the offline corpus."""
-    from .assets import cache_dir
+def clean_tldr_post(text: str) -> str:
+    """As OAI cleans a post: mojibake fixed by ftfy, runs of 3+ newlines made 2, stripped
+    (# OAI: lm_human_preferences/datasets/tldr.py#L24-L29; OAI pinned ftfy 5.4.1, this runs ftfy 6)."""
+    import ftfy
 
-    path = os.path.join(cache_dir(), relative_path)
+    return re.sub(r"\n{3,}", "\n\n", ftfy.fix_text(text)).strip()
+
+
+def download_once(url: str, path: str) -> str:
+    """`path`, downloaded from `url` if it is not there yet: whole or not at all (a connection closed early is an
+    error, not a short file), so a run never reads a file cut short. OSError saying why it could not."""
     if os.path.exists(path):
         return path
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -210,10 +217,22 @@ def _download_once(url: str, relative_path: str, dataset: str) -> str:
     except (OSError, http.client.HTTPException) as e:
         with contextlib.suppress(FileNotFoundError):
             os.remove(partial)
-        raise UserError(f"task.query_dataset={dataset}: cannot download {url} ({e}); put that file at {path}, "
-                        "or use an offline corpus: --task.query-dataset chatterbot") from e
+        raise OSError(str(e)) from e
     os.replace(partial, path)
     return path
+
+
+def _query_dataset_file(url: str, relative_path: str, dataset: str) -> str:
+    """A query dataset's file in the cache (`download_once`); a UserError names the URL, where to put the file
+    by hand, and the offline corpus."""
+    from .assets import cache_dir
+
+    path = os.path.join(cache_dir(), relative_path)
+    try:
+        return download_once(url, path)
+    except OSError as e:
+        raise UserError(f"task.query_dataset={dataset}: cannot download {url} ({e}); put that file at {path}, "
+                        "or use an offline corpus: --task.query-dataset chatterbot") from e
 
 
 def _lines(f, path: str) -> Iterator[str]:
@@ -233,13 +252,13 @@ def document_stream(name: str, seed: int) -> Iterator[str]:
             rng.shuffle(order)
             yield from (texts[i] for i in order)
     elif name in ("books", "tldr"):
-        documents = book_passages("train") if name == "books" else tldr_posts("train")
+        documents, clean = (book_passages("train"), None) if name == "books" else (tldr_posts("train"), clean_tldr_post)
         while True:  # OAI's generator runs again each epoch: `random.seed(seed)`, so the same order every time
-            # OAI: lm_human_preferences/datasets/books.py#L7-L16, tldr.py#L10-L22, language/datasets.py#L33-L47
-            # (seed 0, shuffle, rerun by repeat())
+            # OAI: lm_human_preferences/datasets/books.py#L7-L16, tldr.py#L10-L29, language/datasets.py#L33-L47
+            # (seed 0, shuffle) and #L78 (rerun by repeat())
             order = list(documents)
             random.Random(seed).shuffle(order)  # the same permutation as random.seed(seed); random.shuffle(order)
-            yield from order
+            yield from order if clean is None else map(clean, order)
     else:
         raise UserError(f"task.query_dataset={name!r} is unknown; choose books, tldr or chatterbot")
 

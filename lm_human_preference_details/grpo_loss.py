@@ -93,7 +93,7 @@ def k3_kl(logprobs: Tensor, ref_logprobs: Tensor, max_log_ratio: float | None = 
         shape. Returns the same shape, >= 0 everywhere, 0 where the two are equal; its mean over
         x ~ p is an unbiased estimate of KL(p || ref) (http://joschu.net/blog/kl-approx.html).
     max_log_ratio: clamp ref - p to [-max, max] first (no gradient beyond): a token the policy has made far
-        likelier than ref would give exp(ref - p) = inf, or far less likely an exp that swamps the loss.
+        less likely than ref would give exp(ref - p) = inf, or an exp that swamps the loss.
     Carries gradients through both arguments.
     """
     # PipelineRL: rl_step, approx_kl = exp(log_ratio_ref_new_clamp) - log_ratio_ref_new_clamp - 1

@@ -42,7 +42,8 @@ class RewardHParams:
 
     trained_model: str | None = None
     """folder written by train_reward.py; None: train one first in this run (OAI's train_new_model), with the
-    preset's stage-1 settings (for others, run train_reward.py with them and pass its folder here)"""
+    preset's stage-1 settings and this run's task and seed (for others, run train_reward.py with them and pass its
+    folder here)"""
     kl_coef: float = 0.15
     """the KL coefficient (the initial one when adaptive)"""
     adaptive_kl: bool = True

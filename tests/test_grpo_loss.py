@@ -107,7 +107,7 @@ def test_k3_nonnegative_and_zero_when_equal():
 
 
 def test_k3_clamped_stays_finite_and_stops_the_gradient_beyond_the_bound():
-    """PipelineRL clamps the reference log ratio at 10: a token the policy made 800 nats likelier than the
+    """PipelineRL clamps the reference log ratio at 10: a token the policy made 800 nats less likely than the
     reference gives exp(800) = inf unclamped, and a NaN gradient."""
     new = t([-900.0, -1.0, 0.0]).requires_grad_()
     ref = t([-100.0, -1.5, 0.0])

@@ -194,7 +194,8 @@ def test_make_labels_labels_only_queries_whose_responses_all_pass_the_truncation
     torch.manual_seed(0)
     labels = make_labels.make_labels(lm, tokenizer, QuerySampler(task, tokenizer, batch_size=64, seed=0), task, labeler,
                                      num_labels=12, num_responses=2, progress=lambda line: None)
-    assert len(labels) == 12 and len(seen) >= 2 * 12  # the labeler saw passing responses only
+    assert len(labels) == 12 and len(seen) >= 2 * 12
+    assert all(text.endswith("k") for text in seen)  # the labeler saw passing responses only, cut after their k
     pad = tokenizer.oai_pad_token_id
     for response in labels.samples.flatten(0, 1):
         assert contains_truncate_token(response[None], k, 1).item()

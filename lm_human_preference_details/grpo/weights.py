@@ -154,7 +154,8 @@ def transfer_stream(device: torch.device) -> "torch.cuda.Stream | None":
     """On a GPU, the stream that weight transfers run on (one per GPU, for the life of the process); None on a CPU.
     Broadcasts queued on the stream that computes would hold up every kernel queued after them until the
     other side sends or receives (NCCL's `wait` orders streams, it does not block the host): the server's
-    decoding would stall for the whole transfer, the trainer's next step too."""
+    decoding would stall for the whole transfer, the trainer's next step too. The cost: memory freed on this
+    stream is reused only by it, so a server keeps one update's buffers aside for the next."""
     if device.type != "cuda":
         return None
     if device not in _TRANSFER_STREAMS:
@@ -184,7 +185,8 @@ def receive_tensors(group: WeightGroup, specs: list[ParameterSpec], device, buck
 
 def load_tensors(model: torch.nn.Module, specs: list[ParameterSpec], tensors: list[torch.Tensor]) -> None:
     """Copy received tensors into the model's parameters, all at once (between two decode steps). On a GPU it
-    returns once the copies are done: the received buffers may be reused by the next transfer after that."""
+    returns once the copies are done (so the pause a server reports includes them): the received buffers may
+    be reused by the next transfer after that."""
     parameters = dict(model.named_parameters())
     with torch.no_grad():
         for spec, tensor in zip(specs, tensors):
@@ -234,7 +236,7 @@ class WeightSender:
         copied = None
         if snapshot and snapshot[0].is_cuda:  # the sender thread's transfer stream waits for the copies queued here
             copied = torch.cuda.Event()
-            copied.record()
+            copied.record(torch.cuda.current_stream(snapshot[0].device))
         self._queue.put((specs, snapshot, copied, version, bucket_bytes))
         return self._take_dropped()
 

@@ -2,7 +2,8 @@
 
 For each query the reference policy samples N responses (fixed length, the task's temperature,
 truncated like the responses OAI showed its labelers, and like them only queries whose N responses
-all contain the truncate token), the labeler scores them, and the best one's index is the label. `python -m lm_human_preference_details.make_labels --task tiny --output labels.json`
+all contain the truncate token), the labeler scores them, and the best one's index is the label.
+`python -m lm_human_preference_details.make_labels --task tiny --output labels.json`
 """
 
 from dataclasses import dataclass, field

@@ -264,10 +264,12 @@ def test_the_stream_can_be_a_redis_stream_and_the_weights_go_one_broadcast_per_t
 
 @pytest.mark.slow
 def test_ignore_eos_samples_every_completion_to_the_limit_and_sample_tables_come_every_interval(tmp_path):
-    # in sync mode with one torch thread per process: grpo_speed's one-thread row
+    # in sync mode with one torch thread per process (grpo_speed's one-thread row), servers in bfloat16 (a GPU's)
     run = Launched(tmp_path / "run", "--steps", "3", "--ignore-eos", "--max-tokens", "9", "--sample-interval", "2",
-                   "--mode", "sync", "--sync-steps", "3", "--threads", "1")
+                   "--mode", "sync", "--sync-steps", "3", "--threads", "1", "--server-dtype", "bfloat16")
     assert run.finish() == 0, run.output()
+    (server,) = json.load(open(os.path.join(run.output_dir, "servers.json"))).values()
+    assert server["dtype"] == "bfloat16" and server["weight_updates"] == 1
     with open(os.path.join(run.output_dir, "stream.jsonl")) as f:
         attempts = [a for line in f for a in json.loads(line)["attempts"]]
     assert len(attempts) >= 3 * 64 and {len(a["completion_ids"]) for a in attempts} == {9}

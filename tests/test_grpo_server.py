@@ -381,3 +381,28 @@ def test_a_server_whose_weight_transfer_breaks_says_so_instead_of_serving_stale_
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+def test_a_bfloat16_server_gets_the_trainers_weights_rounded_to_bfloat16_bitwise(model_dir, tmp_path):
+    """`--dtype bfloat16` (what `auto` picks on a GPU) on the CPU: the server says its dtype, the trainer sends its
+    float32 weights rounded to it, and the server samples with them."""
+    import copy
+
+    with open(tmp_path / "server.log", "wb") as log:
+        started = ServerProcess(["--model", model_dir, "--threads", "1", "--max-batch-size", "8", "--dtype", "bfloat16"], log)
+    try:
+        url = started.wait_until_serving()
+        assert request_json("GET", f"{url}/health")["dtype"] == "bfloat16"
+        model = load_causal_lm(model_dir)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01 * torch.randn_like(p))
+        sender = WeightSender([url])
+        assert sender.push(model, 1, dtype=torch.bfloat16) == [] and sender.wait() == []
+        request_json("GET", f"{url}/health?wait_for_version=1&timeout_s=30", timeout_s=40)
+        assert request_json("GET", f"{url}/weights_digest")["digests"] == digest(copy.deepcopy(model).to(torch.bfloat16))
+        choice = request_json("POST", f"{url}/v1/completions", {"prompt": "1+2=\\boxed{", "max_tokens": 4, "ignore_eos": True})["choices"][0]
+        assert choice["model_versions"] == [1] * 4 and all(lp <= 0 for lp in choice["logprobs"]["token_logprobs"])
+    finally:
+        started.process.terminate()
+        started.process.wait(timeout=30)

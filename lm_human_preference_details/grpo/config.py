@@ -118,6 +118,10 @@ class GRPOArgs(RunArgs):
     """weight updates go out as flat buckets of consecutive tensors, at most this many MiB each
     (0: one broadcast per tensor, PipelineRL's way; on gloo each broadcast costs about 0.3 ms of CPU
     per side however small, which a tiny model's update is mostly made of)"""
+    server_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """the servers' weights: `auto` is bfloat16 on a GPU (as vLLM serves) and float32 on the CPU; float32 on a GPU
+    makes on-policy ratios pi/mu exactly 1 (the trainer computes in float32), bfloat16 on the CPU shows what a GPU
+    server's rounding does to them"""
     weight_backend: Literal["gloo", "nccl"] = "gloo"
     """how weight updates travel: `gloo` (CPU tensors, or GPU tensors through host memory; works
     wherever the servers run, also on the trainer's own GPU) or `nccl` (GPU to GPU; only for servers

@@ -84,6 +84,7 @@ class Run:
                 started.append(ServerProcess([
                     "--model", model, "--threads", str(self.args.torch_threads("server")), "--seed", str(self.args.seed + i),
                     "--max-batch-size", str(self.args.server_batch_size), "--version", str(version), "--exit-with-parent",
+                    "--dtype", self.args.server_dtype,
                 ], log_file))
             self.servers.append(started[-1].process)
         for i, server_process in enumerate(started):  # they load their models side by side

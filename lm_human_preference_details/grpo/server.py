@@ -268,7 +268,7 @@ class InferenceServer:
         stats = self.engine.stats
         updates = stats["updates"]
         return web.json_response({
-            "model_version": self.engine.version, "requests": self.requests, "uptime_s": time.time() - self.started,
+            "model_version": self.engine.version, "dtype": self.dtype, "requests": self.requests, "uptime_s": time.time() - self.started,
             "completed_sequences": stats["completed"], "generated_tokens": stats["generated_tokens"],
             "prefill_tokens": stats["prefill_tokens"], "weight_updates": updates,
             "decode_batch_mean": stats["decode_rows"] / stats["decode_steps"] if stats["decode_steps"] else 0.0,
@@ -358,6 +358,10 @@ class Args:
     """sampling seed"""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """`auto`: CUDA when there is a GPU"""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """the weights' precision: `auto` is bfloat16 on a GPU (as vLLM serves PipelineRL's trainer) and float32 on the
+    CPU (bitwise the trainer's); float32 on a GPU makes on-policy ratios pi/mu exactly 1, bfloat16 on the CPU shows
+    what a GPU server's rounding does to them"""
     threads: int = 0
     """torch CPU threads (0: torch's default, every core; grpo.launch passes each server its share)"""
     version: int = 0
@@ -366,18 +370,21 @@ class Args:
     """stop when the process that started this one dies (set by grpo.launch)"""
 
 
-def load_for_inference(name_or_path: str, device: str):
-    """Model and tokenizer: float32 on the CPU (bitwise the trainer's weights), bf16 + SDPA on a GPU."""
+def load_for_inference(name_or_path: str, device: str, dtype: str = "auto"):
+    """Model and tokenizer, with SDPA attention; `dtype` `auto`: float32 on the CPU (bitwise the trainer's weights),
+    bfloat16 on a GPU."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from lm_human_preference_details.assets import resolve_model_path
+    from lm_human_preference_details.grpo.weights import DTYPES
     from lm_human_preference_details.models import pretrained_config
 
     path = resolve_model_path(name_or_path)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(path, config=pretrained_config(path), dtype=dtype, attn_implementation="sdpa").to(device)
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    model = AutoModelForCausalLM.from_pretrained(path, config=pretrained_config(path), dtype=DTYPES[dtype], attn_implementation="sdpa").to(device)
     return model, AutoTokenizer.from_pretrained(path)
 
 
@@ -389,7 +396,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     quiet_transformers()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s server %(message)s")
-    model, tokenizer = load_for_inference(args.model, args.device)
+    model, tokenizer = load_for_inference(args.model, args.device, args.dtype)
     engine = Engine(model, args.max_batch_size, seed=args.seed, vocab_size=len(tokenizer))
     engine.version = args.version
     engine.start()

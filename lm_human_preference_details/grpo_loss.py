@@ -136,6 +136,7 @@ def policy_loss(
     loss_type: Literal["reinforce", "ppo_clip"] = "reinforce",
     ratio_cap: float = 5.0,
     clip_eps: float = 0.2,
+    clip_eps_high: Optional[float] = None,
     ref_logprobs: Optional[Tensor] = None,
     kl_coef: float = 0.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -155,11 +156,13 @@ def policy_loss(
             new_logprobs * A * clamp(ratio, 0, ratio_cap).detach(), whose gradient is
             min(ratio, ratio_cap) * A * grad log pi: the importance-weighted policy gradient with
             the weight capped above. On policy (ratio = 1) it is plain REINFORCE.
-        "ppo_clip": per-token objective min(ratio * A, clamp(ratio, 1 - clip_eps, 1 + clip_eps) * A)
-            (PPO, arXiv 1707.06347; PipelineRL: rl_step, case "ppo").
+        "ppo_clip": per-token objective min(ratio * A, clamp(ratio, 1 - clip_eps, 1 + clip_eps_high) * A)
+            (PPO, arXiv 1707.06347; PipelineRL: rl_step, case "ppo", with epsilon_low and epsilon_high).
     ratio_cap: the cap of the reinforce weight (paper: 5; the current PipelineRL code caps at
         1 + epsilon_high instead). Unused by ppo_clip.
-    clip_eps: PPO's epsilon. Unused by reinforce.
+    clip_eps: PPO's epsilon (below 1; above too unless clip_eps_high is given). Unused by reinforce.
+    clip_eps_high: the epsilon above 1 (None: clip_eps): a larger one lets unlikely tokens that did well
+        grow faster (DAPO's "clip-higher", arXiv 2503.14476, uses 0.28). Unused by reinforce.
     ref_logprobs: (B, T) logprobs under a frozen reference policy, or None.
     kl_coef: weight of the k3 penalty to the reference, subtracted from the per-token objective
         (PipelineRL: loss = policy_loss - kl_coef * approx_kl); it carries gradients through
@@ -173,7 +176,7 @@ def policy_loss(
         ratio/max        max of the raw ratio over masked tokens (0 when none is masked)
         ratio/clipfrac   fraction of masked tokens whose ratio was changed by the cap
                          (reinforce: ratio > ratio_cap) or by the clip
-                         (ppo_clip: ratio outside [1 - clip_eps, 1 + clip_eps]; PipelineRL's
+                         (ppo_clip: ratio outside [1 - clip_eps, 1 + clip_eps_high]; PipelineRL's
                          clamp_log_ratio_new_old_indicator), whether or not the min picked it
         ess              effective_sample_size of the raw ratio over masked tokens
         logprob/new_mean masked mean of new_logprobs
@@ -225,9 +228,10 @@ def policy_loss(
         clipped = ratio > ratio_cap
     elif loss_type == "ppo_clip":
         # PipelineRL: rl_step, case "ppo"; ppo.py / OAI train_policy.py#L350-L355
-        clamped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
+        high = clip_eps if clip_eps_high is None else clip_eps_high
+        clamped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high)
         objective = torch.minimum(ratio * adv, clamped * adv)
-        clipped = (ratio < 1.0 - clip_eps) | (ratio > 1.0 + clip_eps)
+        clipped = (ratio < 1.0 - clip_eps) | (ratio > 1.0 + high)
     else:
         raise ValueError(f"unknown loss_type {loss_type!r}; expected 'reinforce' or 'ppo_clip'")
 

@@ -306,6 +306,7 @@ def test_chat_prompts_go_one_request_per_problem_through_the_chat_template(tmp_p
     (["--weight-backend", "nccl"], "error: --weight-backend nccl: the servers this launcher starts share the trainer's GPU"),
     (["--threads", "-1"], "error: --threads must be >= 0, got -1"),
     (["--num-problems", "-3"], "error: --num-problems must be >= 0, got -3"),
+    (["--loss-type", "ppo_clip", "--clip-eps-high", "0"], "error: --clip-eps-high must be > 0 (or None: --clip-eps), got 0.0"),
     (["--stream", "redis://127.0.0.1:1/0?stream=s"], "error: cannot reach Redis at redis://127.0.0.1:1/0?stream=s"),
 ])
 def test_bad_arguments_are_one_line_errors(tmp_path, flags, message):

@@ -231,6 +231,23 @@ def test_ppo_clip_zero_gradient_outside_clip_range_in_favourable_direction():
     assert loss.item() == pytest.approx(-0.5)
 
 
+def test_ppo_clip_with_a_higher_upper_epsilon_lets_favourable_ratios_grow_further():
+    """clip-higher (DAPO; PipelineRL's epsilon_high): [1 - 0.2, 1 + 0.28] keeps the gradient of a ratio of 1.25
+    with A > 0, which [0.8, 1.2] clips; the lower side is unchanged."""
+    ratios = t([1.25, 0.75])
+    behaviour = t([[-1.0], [-2.0]])
+    adv = t([1.0, -1.0])
+    grads = {}
+    for high in (None, 0.28):
+        new = (behaviour + ratios.log()[:, None]).requires_grad_()
+        loss, stats = gl.policy_loss(new, behaviour, adv, torch.ones(2, 1), 2, loss_type="ppo_clip", clip_eps=0.2, clip_eps_high=high)
+        loss.backward()
+        grads[high] = (new.grad, stats["ratio/clipfrac"].item())
+    torch.testing.assert_close(grads[None][0], t([[0.0], [0.0]]))  # both clipped in their favourable direction
+    torch.testing.assert_close(grads[0.28][0], t([[-1.25 / 2], [0.0]]))  # 1.25 < 1.28: kept; 0.75 < 0.8: still clipped
+    assert grads[None][1] == pytest.approx(1.0) and grads[0.28][1] == pytest.approx(0.5)
+
+
 def test_kl_penalty_gradient():
     new = t([[-1.0, -2.0], [-0.5, -0.25]]).requires_grad_()
     behaviour = new.detach().clone()  # on policy: the policy part is -A / N per token

@@ -80,7 +80,9 @@ class GRPOArgs(RunArgs):
     ratio_cap: float = 5.0
     """upper cap of the importance ratio for `reinforce` (PipelineRL paper: 5)"""
     clip_eps: float = 0.2
-    """PPO clip range for `ppo_clip`"""
+    """PPO clip range for `ppo_clip`: the ratio is clipped to [1 - clip_eps, 1 + clip_eps_high]"""
+    clip_eps_high: float | None = None
+    """`ppo_clip`'s epsilon above 1 (None: clip_eps; PipelineRL's epsilon_high; DAPO's clip-higher uses 0.28)"""
     baseline: Literal["mean", "leave_one_out"] = "mean"
     """group baseline: the group mean, or the mean of the other attempts"""
     divide_by_std: bool = False
@@ -194,6 +196,8 @@ class GRPOArgs(RunArgs):
         for name in ("lr", "ratio_cap", "clip_eps", "grad_clip", "request_timeout_s"):
             if getattr(self, name) <= 0:
                 raise UserError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+        if self.clip_eps_high is not None and not self.clip_eps_high > 0:
+            raise UserError(f"--clip-eps-high must be > 0 (or None: --clip-eps), got {self.clip_eps_high}")
         for name in ("kl_coef", "save_interval", "update_bucket_mb", "threads", "problems_per_request", "num_problems"):
             if getattr(self, name) < 0:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")

@@ -161,7 +161,7 @@ def accumulate_gradients(model, reference, groups: list[dict], rewards: torch.Te
         loss, stats = policy_loss(
             new_logprobs, batch["behaviour"], advantages[batch["rows"]], batch["mask"],
             num_sequences=num_sequences, loss_type=args.loss_type, ratio_cap=args.ratio_cap,
-            clip_eps=args.clip_eps, ref_logprobs=ref_logprobs, kl_coef=args.kl_coef,
+            clip_eps=args.clip_eps, clip_eps_high=args.clip_eps_high, ref_logprobs=ref_logprobs, kl_coef=args.kl_coef,
         )
         loss.backward()
         n = float(batch["mask"].sum())

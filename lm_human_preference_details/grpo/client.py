@@ -12,6 +12,7 @@ import urllib.error
 import urllib.request
 import weakref
 from collections.abc import Callable
+from typing import Literal
 
 
 MAX_CHOICES = 512
@@ -20,6 +21,9 @@ MAX_CHOICES = 512
 MIN_TEMPERATURE = 1e-4
 """the lowest sampling temperature a server takes: logits / temperature must stay finite in float32 (1e-50 is
 0 there, and every sequence of the batch would get NaN probabilities)"""
+
+ServerDtype = Literal["auto", "float32", "bfloat16"]
+"""the precision of a server's weights (the server's `--dtype`, the launcher's `--server-dtype`, which says why)"""
 
 
 def check_serving(urls: list[str], version: int, model: str, starts: str = "starts") -> None:

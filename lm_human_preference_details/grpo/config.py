@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from lm_human_preference_details.cli import UserError
-from lm_human_preference_details.grpo.client import MAX_CHOICES, MIN_TEMPERATURE
+from lm_human_preference_details.grpo.client import MAX_CHOICES, MIN_TEMPERATURE, ServerDtype
 from lm_human_preference_details.tracking import RunArgs
 
 Mode = Literal["pipeline", "sync"]
@@ -120,7 +120,7 @@ class GRPOArgs(RunArgs):
     """weight updates go out as flat buckets of consecutive tensors, at most this many MiB each
     (0: one broadcast per tensor, PipelineRL's way; on gloo each broadcast costs about 0.3 ms of CPU
     per side however small, which a tiny model's update is mostly made of)"""
-    server_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    server_dtype: ServerDtype = "auto"
     """the servers' weights: `auto` is bfloat16 on a GPU (as vLLM serves) and float32 on the CPU; float32 on a GPU
     makes on-policy ratios pi/mu exactly 1 (the trainer computes in float32), bfloat16 on the CPU shows what a GPU
     server's rounding does to them"""

@@ -41,7 +41,7 @@ import tyro
 from aiohttp import web
 
 from lm_human_preference_details.cli import quiet_transformers
-from lm_human_preference_details.grpo.client import MAX_CHOICES, MIN_TEMPERATURE
+from lm_human_preference_details.grpo.client import MAX_CHOICES, MIN_TEMPERATURE, ServerDtype
 from lm_human_preference_details.grpo.engine import Engine, GenerationRequest
 from lm_human_preference_details.grpo.lifetime import exit_now, exit_with_parent
 
@@ -358,10 +358,8 @@ class Args:
     """sampling seed"""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """`auto`: CUDA when there is a GPU"""
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """the weights' precision: `auto` is bfloat16 on a GPU (as vLLM serves PipelineRL's trainer) and float32 on the
-    CPU (bitwise the trainer's); float32 on a GPU makes on-policy ratios pi/mu exactly 1, bfloat16 on the CPU shows
-    what a GPU server's rounding does to them"""
+    dtype: ServerDtype = "auto"
+    """the weights' precision: `auto` is bfloat16 on a GPU, float32 on the CPU (see grpo.launch's `--server-dtype`)"""
     threads: int = 0
     """torch CPU threads (0: torch's default, every core; grpo.launch passes each server its share)"""
     version: int = 0
@@ -370,7 +368,7 @@ class Args:
     """stop when the process that started this one dies (set by grpo.launch)"""
 
 
-def load_for_inference(name_or_path: str, device: str, dtype: str = "auto"):
+def load_for_inference(name_or_path: str, device: str, dtype: ServerDtype = "auto"):
     """Model and tokenizer, with SDPA attention; `dtype` `auto`: float32 on the CPU (bitwise the trainer's weights),
     bfloat16 on a GPU."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

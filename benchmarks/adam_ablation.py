@@ -25,9 +25,16 @@ from lm_human_preference_details.cli import split_passthrough
 
 OPTIMIZERS = ("adam_tf", "adam_torch")
 METRICS = (
-    "ppo/policy/approxkl", "ppo/policy/clipfrac",
-    "ppo/policy/ratio_mean", "ppo/policy/ratio_var", "ppo/policy/ratio_max", "ppo/policy/ratio_min",
-    "ppo/policy/logprob_diff_mean", "ppo/policy/logprob_diff_var", "ppo/policy/logprob_diff_max", "ppo/policy/logprob_diff_min",
+    "ppo/policy/approxkl",
+    "ppo/policy/clipfrac",
+    "ppo/policy/ratio_mean",
+    "ppo/policy/ratio_var",
+    "ppo/policy/ratio_max",
+    "ppo/policy/ratio_min",
+    "ppo/policy/logprob_diff_mean",
+    "ppo/policy/logprob_diff_var",
+    "ppo/policy/logprob_diff_max",
+    "ppo/policy/logprob_diff_min",
 )
 
 
@@ -57,8 +64,22 @@ def run_pair(args: Args, seed: int, reward_model: str, batch_size: int) -> dict[
     runs = {}
     for optimizer in OPTIMIZERS:
         out = os.path.join(args.out_dir, f"{optimizer}_seed_{seed}")
-        stage("train_policy", "--task", args.task, "--seed", str(seed), "--output-dir", out, "--rewards.trained-model", reward_model,
-              "--ppo.optimizer", optimizer, "--ppo.total-episodes", str(args.updates * batch_size), *args.extra)
+        stage(
+            "train_policy",
+            "--task",
+            args.task,
+            "--seed",
+            str(seed),
+            "--output-dir",
+            out,
+            "--rewards.trained-model",
+            reward_model,
+            "--ppo.optimizer",
+            optimizer,
+            "--ppo.total-episodes",
+            str(args.updates * batch_size),
+            *args.extra,
+        )
         runs[optimizer] = read_metrics(os.path.join(out, "metrics.jsonl"))
     return runs
 
@@ -68,7 +89,10 @@ def summarize(runs: dict[int, dict[str, list[dict]]], updates: int) -> dict[str,
     windows = {"first update": 1, f"first {updates} updates": updates}
     return {
         window: {
-            optimizer: {m: statistics.fmean(statistics.fmean(r[m] for r in pair[optimizer][:n]) for pair in runs.values()) for m in METRICS}
+            optimizer: {
+                m: statistics.fmean(statistics.fmean(r[m] for r in pair[optimizer][:n]) for pair in runs.values())
+                for m in METRICS
+            }
             for optimizer in OPTIMIZERS
         }
         for window, n in windows.items()
@@ -76,8 +100,11 @@ def summarize(runs: dict[int, dict[str, list[dict]]], updates: int) -> dict[str,
 
 
 def markdown(args: Args, summary: dict) -> str:
-    lines = [f"TF-style vs torch Adam, `{args.task}` preset, stage 2 on one reward model, seeds {' '.join(map(str, args.seeds))} "
-             f"(mean over seeds).", ""]
+    lines = [
+        f"TF-style vs torch Adam, `{args.task}` preset, stage 2 on one reward model, seeds {' '.join(map(str, args.seeds))} "
+        f"(mean over seeds).",
+        "",
+    ]
     for window, by_optimizer in summary.items():
         lines += [f"**{window}**", "", "| metric | adam_tf (OAI) | adam_torch | torch / tf |", "|---|---|---|---|"]
         for m in METRICS:

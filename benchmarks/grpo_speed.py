@@ -41,7 +41,15 @@ from dataclasses import dataclass, field
 
 import tyro
 
-from lm_human_preference_details.benchmarking import Device, busy_cpu_s, device_env, git_commit, machine, run_logged, synchronize
+from lm_human_preference_details.benchmarking import (
+    Device,
+    busy_cpu_s,
+    device_env,
+    git_commit,
+    machine,
+    run_logged,
+    synchronize,
+)
 from lm_human_preference_details.cli import UserError, main_with_user_errors, split_passthrough
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -120,7 +128,10 @@ def pipeline_ahead(settings, steps_ahead: float) -> tuple[str, list[str]]:
     that (the largest that divides both it and the run's own requests)."""
     if not math.isfinite(steps_ahead):
         raise UserError(f"--pipeline-steps-ahead {steps_ahead}: pass a number of steps, e.g. 2.5")
-    name, flags = f"pipeline, {steps_ahead:.12g} steps ahead", ["--mode", "pipeline", "--steps-ahead", f"{steps_ahead:.12g}"]
+    name, flags = (
+        f"pipeline, {steps_ahead:.12g} steps ahead",
+        ["--mode", "pipeline", "--steps-ahead", f"{steps_ahead:.12g}"],
+    )
     problems = math.gcd(settings.request_problems(), round(steps_ahead * settings.groups_per_step()))
     if problems != settings.request_problems():
         name, flags = f"{name}, requests of {problems} problems", [*flags, "--problems-per-request", str(problems)]
@@ -133,8 +144,23 @@ def pipeline_ahead(settings, steps_ahead: float) -> tuple[str, list[str]]:
 
 def run_schedule(args: Args, name: str, flags: list[str], repeat: int) -> dict:
     out = os.path.join(args.out_dir, name.replace(" ", "_").replace("=", ""), f"run_{repeat}")
-    cmd = [sys.executable, "-m", "lm_human_preference_details.grpo.launch", "--task", args.task, "--steps", str(args.steps),
-           "--output-dir", out, "--wandb-mode", "disabled", "--save-interval", "0", *args.extra, *flags]  # the row's flags win
+    cmd = [
+        sys.executable,
+        "-m",
+        "lm_human_preference_details.grpo.launch",
+        "--task",
+        args.task,
+        "--steps",
+        str(args.steps),
+        "--output-dir",
+        out,
+        "--wandb-mode",
+        "disabled",
+        "--save-interval",
+        "0",
+        *args.extra,
+        *flags,
+    ]  # the row's flags win
     shutil.rmtree(out, ignore_errors=True)  # a fresh run: SteadyCpu must not count an earlier run's metrics
     os.makedirs(os.path.dirname(out), exist_ok=True)
     # steps before the steady state (first requests, first updates), whole sync rounds
@@ -161,12 +187,16 @@ def steady_state(rows: list[dict], warm: int, round_steps: int) -> dict:
         "samples_per_s": samples_per_row * (len(rows) - warm) / window_s,
         "tokens_per_s": sum(r["completion/length"] for r in rows[warm:]) * samples_per_row / window_s,
         "s_per_step": window_s / (len(rows) - warm),
-        "samples_per_s_whole_run": rows[-1]["samples"] / elapsed, "lag_mean": statistics.fmean(r["lag/mean"] for r in rows),
+        "samples_per_s_whole_run": rows[-1]["samples"] / elapsed,
+        "lag_mean": statistics.fmean(r["lag/mean"] for r in rows),
         # what the schedule holds once under way, over whole sync rounds (a round's last steps lag most);
         # a run shorter than that: its steps after the warm-up
-        "lag_steady": statistics.fmean(r["lag/mean"] for r in rows[warm : len(rows) - (len(rows) - warm) % round_steps] or rows[warm:]),
+        "lag_steady": statistics.fmean(
+            r["lag/mean"] for r in rows[warm : len(rows) - (len(rows) - warm) % round_steps] or rows[warm:]
+        ),
         "success_last_20": statistics.fmean(r["success/rate"] for r in rows[-20:]),
-        "wait_data_s": sum(r["time/wait_data_s"] for r in rows), "elapsed_s": elapsed,
+        "wait_data_s": sum(r["time/wait_data_s"] for r in rows),
+        "elapsed_s": elapsed,
     }
 
 
@@ -207,8 +237,10 @@ class SteadyCpu(threading.Thread):
         if len(self.marks) < 2 or self.marks[0][0] is None or self.marks[1][2] == self.marks[0][2]:
             return {}
         (cpu0, wall0, rows0), (cpu1, wall1, rows1) = self.marks
-        return {"cores_busy": (cpu1 - cpu0) / (wall1 - wall0),
-                "cpu_ms_per_sample": (cpu1 - cpu0) * 1e3 / ((rows1 - rows0) * samples_per_row)}
+        return {
+            "cores_busy": (cpu1 - cpu0) / (wall1 - wall0),
+            "cpu_ms_per_sample": (cpu1 - cpu0) * 1e3 / ((rows1 - rows0) * samples_per_row),
+        }
 
 
 def scaling(args: Args) -> list[dict]:
@@ -217,10 +249,19 @@ def scaling(args: Args) -> list[dict]:
     compared = [("pipeline", ["--mode", "pipeline"]), (f"sync G={g}", ["--mode", "sync", "--sync-steps", str(g)])]
     rows = []
     for batch, tokens in [(batch, tokens) for batch in args.scaling_batches for tokens in args.scaling_tokens]:
-        shape_args = dataclasses.replace(args, steps=args.scaling_steps, out_dir=os.path.join(args.out_dir, "scaling", f"batch{batch}_tokens{tokens}"))
+        shape_args = dataclasses.replace(
+            args,
+            steps=args.scaling_steps,
+            out_dir=os.path.join(args.out_dir, "scaling", f"batch{batch}_tokens{tokens}"),
+        )
         shape = ["--batch-size", str(batch), "--max-tokens", str(tokens), "--ignore-eos"]
-        rows.append({"batch": batch, "tokens": tokens,
-                     **{name: run_schedule(shape_args, name, flags + shape, 0)["s_per_step"] for name, flags in compared}})
+        rows.append(
+            {
+                "batch": batch,
+                "tokens": tokens,
+                **{name: run_schedule(shape_args, name, flags + shape, 0)["s_per_step"] for name, flags in compared},
+            }
+        )
     return rows
 
 
@@ -234,12 +275,16 @@ def time_weight_updates(model: str, updates: int, bucket_mb: float, device: Devi
     from lm_human_preference_details.models import load_causal_lm
 
     with open(log_path, "wb") as log:  # the child keeps its own handle
-        server_process = ServerProcess(["--model", model, "--threads", "1", "--max-batch-size", "16"], log, env=device_env(device))
+        server_process = ServerProcess(
+            ["--model", model, "--threads", "1", "--max-batch-size", "16"], log, env=device_env(device)
+        )
     server = server_process.process
     try:
         url = server_process.wait_until_serving()
         trainer_model = load_causal_lm(model).to(device)
-        server_dtype = DTYPES[request_json("GET", f"{url}/health")["dtype"]]  # bf16 on a GPU; the trainer sends it so too
+        server_dtype = DTYPES[
+            request_json("GET", f"{url}/health")["dtype"]
+        ]  # bf16 on a GPU; the trainer sends it so too
         sender = WeightSender([url])
         busy = threading.Event()
         load = threading.Thread(target=_keep_generating, args=(url, busy), daemon=True)
@@ -259,14 +304,23 @@ def time_weight_updates(model: str, updates: int, bucket_mb: float, device: Devi
             while (metrics := request_json("GET", f"{url}/metrics"))["weight_updates"] != version:
                 time.sleep(0.001)
             pauses[name].append(metrics["pause_s_total"] - paused_before)
-        timed = {name: {"broadcast_s": statistics.median(broadcast[name]), "pause_s": statistics.median(pauses[name])} for name in ways}
+        timed = {
+            name: {"broadcast_s": statistics.median(broadcast[name]), "pause_s": statistics.median(pauses[name])}
+            for name in ways
+        }
         metrics = request_json("GET", f"{url}/metrics")
         busy.set()
         parameters = sum(p.numel() for p in trainer_model.parameters())
         specs = parameter_specs(trainer_model, server_dtype)  # as sent: bf16 buckets hold twice the tensors
-        return {"model": model, "parameters": parameters, "tensors": len(specs), "bucket_mb": bucket_mb,
-                "broadcasts_bucketed": len(buckets(specs, int(bucket_mb * 2**20))), **timed,
-                "generated_tokens_meanwhile": metrics["generated_tokens"]}
+        return {
+            "model": model,
+            "parameters": parameters,
+            "tensors": len(specs),
+            "bucket_mb": bucket_mb,
+            "broadcasts_bucketed": len(buckets(specs, int(bucket_mb * 2**20))),
+            **timed,
+            "generated_tokens_meanwhile": metrics["generated_tokens"],
+        }
     finally:
         server.terminate()
         server.wait(timeout=60)
@@ -280,7 +334,9 @@ def _keep_generating(url: str, stop: threading.Event) -> None:
     def one():
         while not stop.is_set():
             try:
-                request_json("POST", f"{url}/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 64, "n": 4, "ignore_eos": True})
+                request_json(
+                    "POST", f"{url}/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 64, "n": 4, "ignore_eos": True}
+                )
             except ServerError:
                 return
 
@@ -338,26 +394,51 @@ def raw_step_times(args: Args) -> list[float]:
             for t in range(settings.max_tokens):
                 logprobs = torch.log_softmax(out.logits[:, -1, :vocab].float() / settings.temperature, -1)
                 tokens.append(sample_tokens(logprobs, generator)[:, None])  # the servers' sampler
-                if t + 1 == settings.max_tokens or not settings.ignore_eos and (torch.cat(tokens, 1) == eos).any(1).all():
+                if (
+                    t + 1 == settings.max_tokens
+                    or not settings.ignore_eos
+                    and (torch.cat(tokens, 1) == eos).any(1).all()
+                ):
                     break
                 mask, positions = torch.cat([mask, torch.ones_like(tokens[-1])], 1), positions[:, -1:] + 1
-                out = model(input_ids=tokens[-1], attention_mask=mask, position_ids=positions, cache=out.cache, use_cache=True)
+                out = model(
+                    input_ids=tokens[-1], attention_mask=mask, position_ids=positions, cache=out.cache, use_cache=True
+                )
         completions = torch.cat(tokens, 1)
         after_eos = (completions == eos).long().cumsum(1) - (completions == eos).long()  # EOS itself is kept
         valid = torch.ones_like(completions) if settings.ignore_eos else (after_eos == 0).long()
-        texts = [tokenizer.decode(row[:length], skip_special_tokens=True) for row, length in zip(completions.tolist(), valid.sum(1).tolist())]
+        texts = [
+            tokenizer.decode(row[:length], skip_special_tokens=True)
+            for row, length in zip(completions.tolist(), valid.sum(1).tolist())
+        ]
         rewards = []
         for problem, text in zip(batch, texts):
             reward = integer_reward(settings.answer_prefix + text, problem.answer)
             rewards.append(math_reward(settings.answer_prefix + text, problem.answer) if reward is None else reward)
-        advantages = group_advantages(torch.tensor(rewards, device=device), n, settings.baseline, settings.divide_by_std)
+        advantages = group_advantages(
+            torch.tensor(rewards, device=device), n, settings.baseline, settings.divide_by_std
+        )
         full_mask = torch.cat([prompt_mask, valid], 1)
-        predicting = torch.arange(width - 1, full_mask.shape[1] - 1, device=device)  # the positions before each completion token
-        logits = model(input_ids=torch.cat([ids, completions], 1), attention_mask=full_mask, position_ids=(full_mask.cumsum(1) - 1).clamp(min=0),
-                       logits_to_keep=predicting).logits[..., :vocab]
+        predicting = torch.arange(
+            width - 1, full_mask.shape[1] - 1, device=device
+        )  # the positions before each completion token
+        logits = model(
+            input_ids=torch.cat([ids, completions], 1),
+            attention_mask=full_mask,
+            position_ids=(full_mask.cumsum(1) - 1).clamp(min=0),
+            logits_to_keep=predicting,
+        ).logits[..., :vocab]
         logprobs = logprobs_of(logits, completions, settings.temperature)
-        loss, _ = policy_loss(logprobs, logprobs.detach(), advantages, valid, num_sequences=len(batch),
-                              loss_type=settings.loss_type, ratio_cap=settings.ratio_cap, clip_eps=settings.clip_eps)
+        loss, _ = policy_loss(
+            logprobs,
+            logprobs.detach(),
+            advantages,
+            valid,
+            num_sequences=len(batch),
+            loss_type=settings.loss_type,
+            ratio_cap=settings.ratio_cap,
+            clip_eps=settings.clip_eps,
+        )
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
         optimizer.step()
@@ -396,18 +477,36 @@ def trl_step_times(args: Args) -> list[float]:
 
     with tempfile.TemporaryDirectory() as out:
         config = GRPOConfig(
-            output_dir=out, per_device_train_batch_size=settings.batch_size, num_generations=settings.group_size,
-            steps_per_generation=1, gradient_accumulation_steps=1, max_completion_length=settings.max_tokens,
-            max_steps=args.steps, learning_rate=settings.lr, temperature=settings.temperature, beta=0.0,
+            output_dir=out,
+            per_device_train_batch_size=settings.batch_size,
+            num_generations=settings.group_size,
+            steps_per_generation=1,
+            gradient_accumulation_steps=1,
+            max_completion_length=settings.max_tokens,
+            max_steps=args.steps,
+            learning_rate=settings.lr,
+            temperature=settings.temperature,
+            beta=0.0,
             # --ignore-eos: every completion max_tokens long, as the servers sample them
             generation_kwargs={"min_new_tokens": settings.max_tokens} if settings.ignore_eos else None,
-            report_to="none", save_strategy="no", logging_steps=1, use_cpu=args.device == "cpu", seed=0, disable_tqdm=True,
+            report_to="none",
+            save_strategy="no",
+            logging_steps=1,
+            use_cpu=args.device == "cpu",
+            seed=0,
+            disable_tqdm=True,
             bf16=False,  # TRL's default is bf16 autocast (also on a CPU); every other row computes in fp32
             gradient_checkpointing=False,  # TRL's default recomputes the forward in the backward; no other row does
         )
         dataset = Dataset.from_dict({"prompt": [p.prompt for p in problems], "answer": [p.answer for p in problems]})
-        trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(path), reward_funcs=reward, args=config,
-                              train_dataset=dataset, processing_class=tokenizer, callbacks=[StepTimer()])
+        trainer = GRPOTrainer(
+            model=AutoModelForCausalLM.from_pretrained(path),
+            reward_funcs=reward,
+            args=config,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            callbacks=[StepTimer()],
+        )
         trainer.train()
     return [b - a for a, b in zip(ends, ends[1:])]
 
@@ -420,55 +519,117 @@ def run_role(args: Args, role: str, python: str, repeat: int) -> dict:
     """`role` in a process of its own (with `python`): its seconds per step and samples/s."""
     result = os.path.join(args.out_dir, role, f"run_{repeat}.json")
     os.makedirs(os.path.dirname(result), exist_ok=True)
-    cmd = [python, os.path.abspath(__file__), "--role", role, "--result", result, "--task", args.task,
-           "--steps", str(args.steps), "--device", args.device, "--", *args.extra]
-    run_logged(cmd, result.replace(".json", ".log"), device_env(args.device, python_path=ROOT, TRL_EXPERIMENTAL_SILENCE="1"), ROOT)
+    cmd = [
+        python,
+        os.path.abspath(__file__),
+        "--role",
+        role,
+        "--result",
+        result,
+        "--task",
+        args.task,
+        "--steps",
+        str(args.steps),
+        "--device",
+        args.device,
+        "--",
+        *args.extra,
+    ]
+    run_logged(
+        cmd,
+        result.replace(".json", ".log"),
+        device_env(args.device, python_path=ROOT, TRL_EXPERIMENTAL_SILENCE="1"),
+        ROOT,
+    )
     with open(result) as f:
         step_s = json.load(f)
     # the steps after the first fifth, as the schedules' rows; on-policy: it generates, then trains
-    return {"samples_per_s": run_settings(args).batch_size / statistics.fmean(step_s[len(step_s) // 5:]), "lag_mean": 0.0,
-            "lag_steady": 0.0, "step_s": step_s}
+    return {
+        "samples_per_s": run_settings(args).batch_size / statistics.fmean(step_s[len(step_s) // 5 :]),
+        "lag_mean": 0.0,
+        "lag_steady": 0.0,
+        "step_s": step_s,
+    }
 
 
 def markdown(args: Args, runs: dict[str, list[dict]], updates: list[dict], scaled: list[dict]) -> str:
-    med = {name: {k: statistics.median(r[k] for r in rs if k in r) for k in dict.fromkeys(k for r in rs for k in r) if k != "step_s"}
-           for name, rs in runs.items()}
+    med = {
+        name: {
+            k: statistics.median(r[k] for r in rs if k in r)
+            for k in dict.fromkeys(k for r in rs for k in r)
+            if k != "step_s"
+        }
+        for name, rs in runs.items()
+    }
     pipeline = med["pipeline"]
     flags = f", every launch with `{' '.join(args.extra)}`" if args.extra else ""
-    lines = [f"GRPO `{args.task}` preset{flags}, {args.steps} optimizer steps per run, median of {args.repeats} runs per schedule, "
-             f"{machine(args.device)}. Every column is over the steps after the first fifth (start-up is no schedule's); "
-             "cores busy and CPU per sample are the whole machine's, so that samples/s = 1000 x cores busy / CPU ms per sample "
-             "(a schedule is faster by keeping more cores busy or by spending less CPU on a sample).", "",
-             "| schedule | samples/s | tokens/s | tokens/sample | mean lag (steps) | success, last 20 steps | cores busy | "
-             "CPU ms/sample | pipeline / this (samples/s) | per round |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"GRPO `{args.task}` preset{flags}, {args.steps} optimizer steps per run, median of {args.repeats} runs per schedule, "
+        f"{machine(args.device)}. Every column is over the steps after the first fifth (start-up is no schedule's); "
+        "cores busy and CPU per sample are the whole machine's, so that samples/s = 1000 x cores busy / CPU ms per sample "
+        "(a schedule is faster by keeping more cores busy or by spending less CPU on a sample).",
+        "",
+        "| schedule | samples/s | tokens/s | tokens/sample | mean lag (steps) | success, last 20 steps | cores busy | "
+        "CPU ms/sample | pipeline / this (samples/s) | per round |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, m in med.items():
-        tokens, success, cores, cpu = (f"{m[k]:{fmt}}" if k in m else "-" for k, fmt in (
-            ("tokens_per_s", ".0f"), ("success_last_20", ".2f"), ("cores_busy", ".2f"), ("cpu_ms_per_sample", ".2f")))
+        tokens, success, cores, cpu = (
+            f"{m[k]:{fmt}}" if k in m else "-"
+            for k, fmt in (
+                ("tokens_per_s", ".0f"),
+                ("success_last_20", ".2f"),
+                ("cores_busy", ".2f"),
+                ("cpu_ms_per_sample", ".2f"),
+            )
+        )
         # the work a sample cost (completion tokens; runs that learn different lengths do different work),
         # and the ratio within each round of interleaved runs (a round on a slowed machine slows both)
-        per_sample = "-" if "tokens_per_s" not in m else \
-            f"{statistics.median(r['tokens_per_s'] / r['samples_per_s'] for r in runs[name]):.1f}"
-        per_round = " / ".join(f"{p['samples_per_s'] / r['samples_per_s']:.2f}" for p, r in zip(runs["pipeline"], runs[name]))
-        lines.append(f"| {name} | {m['samples_per_s']:.0f} | {tokens} | {per_sample} | {m['lag_steady']:.2f} | {success} | "
-                     f"{cores} | {cpu} | {pipeline['samples_per_s'] / m['samples_per_s']:.2f}x | {per_round} |")
+        per_sample = (
+            "-"
+            if "tokens_per_s" not in m
+            else f"{statistics.median(r['tokens_per_s'] / r['samples_per_s'] for r in runs[name]):.1f}"
+        )
+        per_round = " / ".join(
+            f"{p['samples_per_s'] / r['samples_per_s']:.2f}" for p, r in zip(runs["pipeline"], runs[name])
+        )
+        lines.append(
+            f"| {name} | {m['samples_per_s']:.0f} | {tokens} | {per_sample} | {m['lag_steady']:.2f} | {success} | "
+            f"{cores} | {cpu} | {pipeline['samples_per_s'] / m['samples_per_s']:.2f}x | {per_round} |"
+        )
     lines += matched_lag(runs, med)
     if updates:
-        lines += ["", "Weight update while the server decodes (median of the timed updates; trainer broadcast = "
-                  "announce until received, server pause = decoding stopped for the swap):", "",
-                  "| model | parameters | broadcasts | trainer broadcast (ms) | server pause (ms) |", "|---|---|---|---|---|"]
+        lines += [
+            "",
+            "Weight update while the server decodes (median of the timed updates; trainer broadcast = "
+            "announce until received, server pause = decoding stopped for the swap):",
+            "",
+            "| model | parameters | broadcasts | trainer broadcast (ms) | server pause (ms) |",
+            "|---|---|---|---|---|",
+        ]
         for u in updates:
-            for name, count in (("per_tensor", f"{u['tensors']} (one per tensor)"),
-                                ("bucketed", f"{u['broadcasts_bucketed']} ({u['bucket_mb']:g} MiB buckets)")):
-                lines.append(f"| {u['model']} | {u['parameters'] / 1e6:.1f}M | {count} | {u[name]['broadcast_s'] * 1e3:.1f} | "
-                             f"{u[name]['pause_s'] * 1e3:.2f} |")
+            for name, count in (
+                ("per_tensor", f"{u['tensors']} (one per tensor)"),
+                ("bucketed", f"{u['broadcasts_bucketed']} ({u['bucket_mb']:g} MiB buckets)"),
+            ):
+                lines.append(
+                    f"| {u['model']} | {u['parameters'] / 1e6:.1f}M | {count} | {u[name]['broadcast_s'] * 1e3:.1f} | "
+                    f"{u[name]['pause_s'] * 1e3:.2f} |"
+                )
     if scaled:
         pipeline, sync = [k for k in scaled[0] if k not in ("batch", "tokens")]
-        lines += ["", f"Seconds per optimizer step ({args.scaling_steps} steps per run, the first fifth not timed; every "
-                  "completion as long as the limit):", "",
-                  f"| batch | completion tokens | {pipeline} (s) | {sync} (s) | {sync} / {pipeline} |", "|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"Seconds per optimizer step ({args.scaling_steps} steps per run, the first fifth not timed; every "
+            "completion as long as the limit):",
+            "",
+            f"| batch | completion tokens | {pipeline} (s) | {sync} (s) | {sync} / {pipeline} |",
+            "|---|---|---|---|---|",
+        ]
         for row in scaled:
-            lines.append(f"| {row['batch']} | {row['tokens']} | {row[pipeline]:.3f} | {row[sync]:.3f} | {row[sync] / row[pipeline]:.2f}x |")
+            lines.append(
+                f"| {row['batch']} | {row['tokens']} | {row[pipeline]:.3f} | {row[sync]:.3f} | {row[sync] / row[pipeline]:.2f}x |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -478,9 +639,14 @@ def matched_lag(runs: dict[str, list[dict]], med: dict[str, dict]) -> list[str]:
     syncs = [name for name in med if name.startswith("sync")]
     if not syncs:
         return []
-    lines = ["", "At matched on-policyness: each sync schedule against the fastest pipeline row whose mean lag, steps "
-             "after the first fifth, is no larger:", "",
-             "| sync schedule | sync lag | pipeline row | pipeline lag | pipeline / sync (samples/s) | per round |", "|---|---|---|---|---|---|"]
+    lines = [
+        "",
+        "At matched on-policyness: each sync schedule against the fastest pipeline row whose mean lag, steps "
+        "after the first fifth, is no larger:",
+        "",
+        "| sync schedule | sync lag | pipeline row | pipeline lag | pipeline / sync (samples/s) | per round |",
+        "|---|---|---|---|---|---|",
+    ]
     for sync in syncs:
         lag = med[sync]["lag_steady"]
         # (1e-9: medians of float lags that print equal count as equal)
@@ -490,8 +656,10 @@ def matched_lag(runs: dict[str, list[dict]], med: dict[str, dict]) -> list[str]:
             continue
         best = max(candidates, key=lambda name: med[name]["samples_per_s"])
         per_round = " / ".join(f"{p['samples_per_s'] / r['samples_per_s']:.2f}" for p, r in zip(runs[best], runs[sync]))
-        lines.append(f"| {sync} | {lag:.2f} | {best} | {med[best]['lag_steady']:.2f} | "
-                     f"{med[best]['samples_per_s'] / med[sync]['samples_per_s']:.2f}x | {per_round} |")
+        lines.append(
+            f"| {sync} | {lag:.2f} | {best} | {med[best]['lag_steady']:.2f} | "
+            f"{med[best]['samples_per_s'] / med[sync]['samples_per_s']:.2f}x | {per_round} |"
+        )
     return lines
 
 
@@ -518,8 +686,15 @@ def main(argv: list[str] | None = None) -> None:
             runs[ROLE_ROWS[role]].append(run_role(args, role, python, repeat))
             save(args, runs, updates, scaled)
     for model in args.update_models:
-        updates.append(time_weight_updates(model, args.updates, args.update_bucket_mb, args.device,
-                                           os.path.join(args.out_dir, f"server_{model}.log")))
+        updates.append(
+            time_weight_updates(
+                model,
+                args.updates,
+                args.update_bucket_mb,
+                args.device,
+                os.path.join(args.out_dir, f"server_{model}.log"),
+            )
+        )
         save(args, runs, updates, scaled)
     if args.scaling:
         scaled += scaling(args)
@@ -531,8 +706,17 @@ def save(args: Args, runs: dict[str, list[dict]], updates: list[dict], scaled: l
     """results.json and results.md as they stand (after every run: a benchmark stopped midway keeps its rows)."""
     runs = {name: rs for name, rs in runs.items() if rs}  # the first run is the pipeline's
     with open(os.path.join(args.out_dir, "results.json"), "w") as f:
-        json.dump({"args": dataclasses.asdict(args), "commit": git_commit(), "runs": runs, "updates": updates, "scaling": scaled},
-                  f, indent=2)
+        json.dump(
+            {
+                "args": dataclasses.asdict(args),
+                "commit": git_commit(),
+                "runs": runs,
+                "updates": updates,
+                "scaling": scaled,
+            },
+            f,
+            indent=2,
+        )
     with open(os.path.join(args.out_dir, "results.md"), "w") as f:
         f.write(markdown(args, runs, updates, scaled))
 

@@ -23,8 +23,12 @@ import tyro
 from lm_human_preference_details.cli import split_passthrough
 
 DEFAULT_METRICS = (
-    "objective/scores", "objective/kl", "objective/kl_coef", "objective/labeler_score",
-    "ppo/policy/clipfrac", "ppo/policy/approxkl",
+    "objective/scores",
+    "objective/kl",
+    "objective/kl_coef",
+    "objective/labeler_score",
+    "ppo/policy/clipfrac",
+    "ppo/policy/approxkl",
 )
 GRPO_METRICS = ("reward/mean", "success/rate", "lag/mean", "entropy", "ess", "samples_per_s")
 
@@ -52,8 +56,20 @@ def run_seed(args: Args, seed: int, stage_flags: list[str]) -> str:
     metrics = os.path.join(out, "metrics.jsonl")
     if args.reuse and os.path.exists(metrics):
         return metrics
-    cmd = [sys.executable, "-m", f"lm_human_preference_details.{args.stage}", "--task", args.task, "--seed", str(seed),
-           "--output-dir", out, "--wandb-mode", "disabled", *stage_flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        f"lm_human_preference_details.{args.stage}",
+        "--task",
+        args.task,
+        "--seed",
+        str(seed),
+        "--output-dir",
+        out,
+        "--wandb-mode",
+        "disabled",
+        *stage_flags,
+    ]
     print("$", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
     return metrics
@@ -64,15 +80,22 @@ def long_rows(metrics_path: str, seed: int, names: list[str], source: str) -> li
 
     return [
         {"step": r["step"], "metric": name, "value": r[name], "seed": seed, "source": source}
-        for r in read_metrics(metrics_path) for name in names if name in r
+        for r in read_metrics(metrics_path)
+        for name in names
+        if name in r
     ]
 
 
 def read_long_csv(path: str, default_source: str) -> list[dict]:
     with open(path) as f:
         return [
-            {"step": int(r["step"]), "metric": r["metric"], "value": float(r["value"]), "seed": r["seed"],
-             "source": r.get("source") or default_source}
+            {
+                "step": int(r["step"]),
+                "metric": r["metric"],
+                "value": float(r["value"]),
+                "seed": r["seed"],
+                "source": r.get("source") or default_source,
+            }
             for r in csv.DictReader(f)
         ]
 
@@ -97,7 +120,9 @@ def plot(rows: list[dict], metric: str, path: str) -> None:
     for source in sorted({r["source"] for r in rows}):
         steps, means, stds = mean_std_by_step([r for r in rows if r["source"] == source])
         seeds = len({r["seed"] for r in rows if r["source"] == source})
-        ax.plot(steps, means, label=textwrap.fill(f"{source} ({seeds} seeds)", 60))  # long flags would squeeze the axes away
+        ax.plot(
+            steps, means, label=textwrap.fill(f"{source} ({seeds} seeds)", 60)
+        )  # long flags would squeeze the axes away
         ax.fill_between(steps, [m - s for m, s in zip(means, stds)], [m + s for m, s in zip(means, stds)], alpha=0.25)
     ax.set_title(metric)
     ax.set_xlabel("step")
@@ -113,7 +138,9 @@ def main(argv: list[str] | None = None) -> None:
     args.metrics = args.metrics or list(GRPO_METRICS if args.stage == "grpo.launch" else DEFAULT_METRICS)
     os.makedirs(args.out_dir, exist_ok=True)
     source = f"{args.task} {' '.join(stage_flags)}".strip()
-    rows = [row for seed in args.seeds for row in long_rows(run_seed(args, seed, stage_flags), seed, args.metrics, source)]
+    rows = [
+        row for seed in args.seeds for row in long_rows(run_seed(args, seed, stage_flags), seed, args.metrics, source)
+    ]
     with open(os.path.join(args.out_dir, "curves.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["step", "metric", "value", "seed", "source"])
         writer.writeheader()

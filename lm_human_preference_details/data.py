@@ -56,15 +56,19 @@ def read_label_text(source: str) -> str:
         try:
             source = download_once(source, path)
         except OSError as e:
-            raise LabelFileError(f"labels.source={source}: cannot download ({e}); pass a local file with --labels.source "
-                                 f"(or put this one at {path})") from e
+            raise LabelFileError(
+                f"labels.source={source}: cannot download ({e}); pass a local file with --labels.source "
+                f"(or put this one at {path})"
+            ) from e
     if source.startswith("hub:"):
         from huggingface_hub import hf_hub_download
 
         try:
-            path = hf_hub_download(LABELS_HUB_DATASET, source[len("hub:"):], repo_type="dataset")
+            path = hf_hub_download(LABELS_HUB_DATASET, source[len("hub:") :], repo_type="dataset")
         except Exception as e:  # the hub raises many kinds; all mean the same to the user
-            raise LabelFileError(f"labels.source={source}: cannot fetch from the hub dataset {LABELS_HUB_DATASET} ({e})") from e
+            raise LabelFileError(
+                f"labels.source={source}: cannot fetch from the hub dataset {LABELS_HUB_DATASET} ({e})"
+            ) from e
         source = path
     if not os.path.isfile(source):
         raise LabelFileError(f"labels.source={source}: no such file")
@@ -93,7 +97,9 @@ def parse_labels(
                 raise LabelFileError(f"{source}: record {i}: field {name!r} must be a list of token ids")
             if len(tokens) != length:
                 what = "query_length" if name == "query" else "response_length"
-                raise LabelFileError(f"{source}: record {i}: field {name!r} has {len(tokens)} tokens, expected {length} ({what})")
+                raise LabelFileError(
+                    f"{source}: record {i}: field {name!r} has {len(tokens)} tokens, expected {length} ({what})"
+                )
             bad = [t for t in tokens if not (0 <= t < vocab_size or t == pad_id)]
             if bad:
                 raise LabelFileError(
@@ -102,7 +108,9 @@ def parse_labels(
                 )
         b = record.get("best")
         if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < num_responses:
-            raise LabelFileError(f"{source}: record {i}: field 'best' is {b!r}, expected an integer in [0, {num_responses})")
+            raise LabelFileError(
+                f"{source}: record {i}: field 'best' is {b!r}, expected an integer in [0, {num_responses})"
+            )
         queries.append(strip_pad(record["query"], pad_id))
         samples.append([record[f"sample{k}"] for k in range(num_responses)])
         best.append(b)
@@ -149,7 +157,9 @@ def chatterbot_texts() -> list[str]:
     return list(dict.fromkeys(texts))  # the corpus repeats some lines across files
 
 
-BOOK_PASSAGES_URL = "https://openaipublic.blob.core.windows.net/lm-human-preferences/datasets/book_passages/{mode}.jsonl"
+BOOK_PASSAGES_URL = (
+    "https://openaipublic.blob.core.windows.net/lm-human-preferences/datasets/book_passages/{mode}.jsonl"
+)
 """OAI's `books` query dataset: passages of books, one JSON string per line (# OAI: lm_human_preferences/datasets/books.py#L10)"""
 
 TLDR_URL = "https://openaipublic.blob.core.windows.net/lm-human-preferences/tldr/{mode}-subset.json"
@@ -159,16 +169,22 @@ TLDR_URL = "https://openaipublic.blob.core.windows.net/lm-human-preferences/tldr
 
 def book_passages(mode: str) -> list[str]:
     """OAI's book passages of `mode` (`train`: what OAI's query samplers read), downloaded once into the cache."""
-    path = _query_dataset_file(BOOK_PASSAGES_URL.format(mode=mode), os.path.join("book_passages", f"{mode}.jsonl"), "books")
+    path = _query_dataset_file(
+        BOOK_PASSAGES_URL.format(mode=mode), os.path.join("book_passages", f"{mode}.jsonl"), "books"
+    )
     passages = []
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(_lines(f, path), 1):
             try:
                 passage = json.loads(line)
             except json.JSONDecodeError as e:
-                raise UserError(f"{path}: line {number}: not JSON ({e}); delete the file to download it again") from None
+                raise UserError(
+                    f"{path}: line {number}: not JSON ({e}); delete the file to download it again"
+                ) from None
             if not isinstance(passage, str):
-                raise UserError(f"{path}: line {number}: expected a JSON string (a passage), got {type(passage).__name__}")
+                raise UserError(
+                    f"{path}: line {number}: expected a JSON string (a passage), got {type(passage).__name__}"
+                )
             passages.append(passage)
     return passages
 
@@ -187,7 +203,9 @@ def tldr_posts(mode: str) -> list[str]:
     posts = []
     for number, record in enumerate(records):
         if not (isinstance(record, dict) and isinstance(record.get("content"), str)):
-            raise UserError(f"{path}: post {number}: expected an object with a string `content`, got {str(record)[:80]}")
+            raise UserError(
+                f"{path}: post {number}: expected an object with a string `content`, got {str(record)[:80]}"
+            )
         posts.append(record["content"])
     return posts
 
@@ -231,8 +249,10 @@ def _query_dataset_file(url: str, relative_path: str, dataset: str) -> str:
     try:
         return download_once(url, path)
     except OSError as e:
-        raise UserError(f"task.query_dataset={dataset}: cannot download {url} ({e}); put that file at {path}, "
-                        "or use an offline corpus: --task.query-dataset chatterbot") from e
+        raise UserError(
+            f"task.query_dataset={dataset}: cannot download {url} ({e}); put that file at {path}, "
+            "or use an offline corpus: --task.query-dataset chatterbot"
+        ) from e
 
 
 def _lines(f, path: str) -> Iterator[str]:
@@ -288,14 +308,20 @@ class QuerySampler:
     def _query_stream(self) -> Iterator[list[int]]:
         index = skipped_in_a_row = 0
         for text in document_stream(self.task.query_dataset, self.seed):
-            tokens = query_tokens(self.tokenizer.encode(text, add_special_tokens=False), self.task.query_length, self.start_token, self.end_token)
+            tokens = query_tokens(
+                self.tokenizer.encode(text, add_special_tokens=False),
+                self.task.query_length,
+                self.start_token,
+                self.end_token,
+            )
             if not tokens:  # OAI would pad it into an all-pad query, which its model asserts against (model.py#L338)
                 skipped_in_a_row += 1
                 if skipped_in_a_row == MAX_SKIPPED_DOCUMENTS:  # it would search forever
                     raise UserError(
                         f"task.query_dataset={self.task.query_dataset}: {MAX_SKIPPED_DOCUMENTS} documents in a row make no query with "
                         f"task.query_length={self.task.query_length}, start_text={self.task.start_text!r}, end_text={self.task.end_text!r} "
-                        "(a query starts after start_text and ends at the last end_text within query_length tokens)")
+                        "(a query starts after start_text and ends at the last end_text within query_length tokens)"
+                    )
                 continue
             skipped_in_a_row = 0
             if index % self.world_size == self.rank:

@@ -21,7 +21,7 @@ optimizer batch, so the micro-batch losses add up to the full-batch loss and lon
 than short ones (no per-sequence length normalisation), as in PipelineRL.
 """
 
-from typing import Literal, Optional
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -136,8 +136,8 @@ def policy_loss(
     loss_type: Literal["reinforce", "ppo_clip"] = "reinforce",
     ratio_cap: float = 5.0,
     clip_eps: float = 0.2,
-    clip_eps_high: Optional[float] = None,
-    ref_logprobs: Optional[Tensor] = None,
+    clip_eps_high: float | None = None,
+    ref_logprobs: Tensor | None = None,
     kl_coef: float = 0.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Importance-weighted policy-gradient loss of PipelineRL (or PPO's clipped one), and its stats.

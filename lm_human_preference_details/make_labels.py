@@ -41,7 +41,13 @@ class Args:
 
 @torch.no_grad()
 def make_labels(
-    lm, tokenizer, sampler: QuerySampler, task: TaskHParams, labeler: labelers.Labeler, num_labels: int, num_responses: int,
+    lm,
+    tokenizer,
+    sampler: QuerySampler,
+    task: TaskHParams,
+    labeler: labelers.Labeler,
+    num_labels: int,
+    num_responses: int,
     progress=print,
 ) -> Labels:
     """`num_labels` best-of-`num_responses` labels of the policy `lm`'s samples; `progress` gets a line per batch."""
@@ -52,13 +58,19 @@ def make_labels(
     while made < num_labels:
         query = next(sampler)  # (B, Q)
         contexts = format_queries(query, tokenizer, task).repeat_interleave(num_responses, dim=0).to(device)
-        responses, _ = sample_responses(lm, contexts, pad_id, task.response_length, task.temperature, vocab_size=len(tokenizer))  # (B*K, R)
+        responses, _ = sample_responses(
+            lm, contexts, pad_id, task.response_length, task.temperature, vocab_size=len(tokenizer)
+        )  # (B*K, R)
         responses = responses.cpu()
         if task.truncate_token is not None:
             # OAI: lm_human_preferences/lm_tasks.py#L54-L65: labelers see only responses that pass the filter (the
             # truncate token at or after truncate_after; stage 2 gives the others a fixed penalty, not the reward
             # model's score), so a query is labeled only when all its responses pass
-            passes = contains_truncate_token(responses, task.truncate_token, task.truncate_after).view(len(query), num_responses).all(1)
+            passes = (
+                contains_truncate_token(responses, task.truncate_token, task.truncate_after)
+                .view(len(query), num_responses)
+                .all(1)
+            )
             query, responses = query[passes], responses.view(len(passes), num_responses, -1)[passes].flatten(0, 1)
             responses = truncate_after_token(responses, task.truncate_token, task.truncate_after, pad_id)
             batches_without_label = 0 if len(query) else batches_without_label + 1
@@ -66,7 +78,8 @@ def make_labels(
                 raise cli.UserError(
                     f"{MAX_BATCHES_WITHOUT_LABEL} batches in a row had no query whose {num_responses} responses all contain "
                     f"--task.truncate-token {task.truncate_token} at or after --task.truncate-after {task.truncate_after}: "
-                    "the policy rarely samples it there; lower --task.truncate-after or change the token")
+                    "the policy rarely samples it there; lower --task.truncate-after or change the token"
+                )
             if not len(query):
                 continue
         query_texts = [text for q in query for text in [tokenizer.decode(strip_pad(q, pad_id))] * num_responses]

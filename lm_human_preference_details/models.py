@@ -82,7 +82,9 @@ def pretrained_config(path: str):
 def load_causal_lm(name_or_path: str) -> nn.Module:
     path = resolve_model_path(name_or_path)
     try:
-        return disable_dropout(AutoModelForCausalLM.from_pretrained(path, config=pretrained_config(path), dtype=torch.float32))
+        return disable_dropout(
+            AutoModelForCausalLM.from_pretrained(path, config=pretrained_config(path), dtype=torch.float32)
+        )
     except OSError as error:
         raise unknown_model(name_or_path, error) from error
 
@@ -101,7 +103,9 @@ class PolicyAndValue(nn.Module):
         self.value_head = scalar_head(lm.config.hidden_size, std=0.0)
         disable_dropout(self)
 
-    def forward(self, input_ids: torch.Tensor, pad_id: int, positions: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, input_ids: torch.Tensor, pad_id: int, positions: slice = slice(None)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, T) ids -> logits (B, T', V) and values (B, T') at `positions` (default: all T).
 
         Only those positions go through the output layer, whose cost and memory grow with the
@@ -187,7 +191,9 @@ class RewardModel(nn.Module):
     @classmethod
     def load(cls, path: str) -> "RewardModel":
         if not os.path.exists(os.path.join(path, cls.HEAD_FILE)):
-            raise FileNotFoundError(f"{path} is not a reward model folder (no {cls.HEAD_FILE}); train one with train_reward.py")
+            raise FileNotFoundError(
+                f"{path} is not a reward model folder (no {cls.HEAD_FILE}); train one with train_reward.py"
+            )
         with open(os.path.join(path, cls.META_FILE)) as f:
             meta = json.load(f)
         backbone = AutoModel.from_pretrained(path, config=pretrained_config(path), dtype=torch.float32)
@@ -199,4 +205,3 @@ class RewardModel(nn.Module):
             model.gain.copy_(head["gain"])
             model.bias.copy_(head["bias"])
         return model
-

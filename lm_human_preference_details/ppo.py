@@ -20,7 +20,6 @@ clipped objective and the whitening is visible in the training loop. With nminib
 (the OAI default for the books tasks) whitening per minibatch equals whitening the whole batch.
 """
 
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -77,9 +76,7 @@ class AdaptiveKLController:
         self.value *= mult
 
 
-def compute_rewards(
-    scores: Tensor, logprobs: Tensor, ref_logprobs: Tensor, kl_coef: float
-) -> tuple[Tensor, Tensor]:
+def compute_rewards(scores: Tensor, logprobs: Tensor, ref_logprobs: Tensor, kl_coef: float) -> tuple[Tensor, Tensor]:
     """Per-token rewards: a KL penalty on every token, the score added on the last one.
 
     scores: (B,) reward-model scores of the (post-processed) responses.
@@ -98,9 +95,7 @@ def compute_rewards(
     return rewards, non_score_reward
 
 
-def compute_advantages(
-    values: Tensor, rewards: Tensor, gamma: float = 1.0, lam: float = 0.95
-) -> tuple[Tensor, Tensor]:
+def compute_advantages(values: Tensor, rewards: Tensor, gamma: float = 1.0, lam: float = 0.95) -> tuple[Tensor, Tensor]:
     """Generalized advantage estimation over the response tokens.
 
     values: (B, T) value estimates of the rollout (the policy that sampled it).
@@ -171,8 +166,14 @@ def ratio_diagnostics(logprobs: Tensor, old_logprobs: Tensor) -> dict[str, Tenso
         stats = {}
         for name, x in (("ratio", torch.exp(diff)), ("logprob_diff", diff)):
             mean, var = _moments(x)
-            stats.update({f"policy/{name}_mean": mean, f"policy/{name}_var": var,
-                          f"policy/{name}_max": x.max(), f"policy/{name}_min": x.min()})
+            stats.update(
+                {
+                    f"policy/{name}_mean": mean,
+                    f"policy/{name}_var": var,
+                    f"policy/{name}_max": x.max(),
+                    f"policy/{name}_min": x.min(),
+                }
+            )
         return stats
 
 
@@ -189,8 +190,12 @@ def reduce_minibatch_stats(stats: dict[str, list[Tensor]]) -> dict[str, Tensor]:
 
 
 # the population variances among the stats, and the means they go with
-MEAN_OF_VARIANCE = {"returns/var": "returns/mean", "val/var": "val/mean",
-                    "policy/ratio_var": "policy/ratio_mean", "policy/logprob_diff_var": "policy/logprob_diff_mean"}
+MEAN_OF_VARIANCE = {
+    "returns/var": "returns/mean",
+    "val/var": "val/mean",
+    "policy/ratio_var": "policy/ratio_mean",
+    "policy/logprob_diff_var": "policy/logprob_diff_mean",
+}
 
 
 def merge_micro_batch_stats(parts: list[dict[str, Tensor]]) -> dict[str, Tensor]:
@@ -215,7 +220,7 @@ def ppo_loss(
     cliprange: float,
     cliprange_value: float,
     vf_coef: float,
-    entropy: Optional[Tensor] = None,
+    entropy: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped PPO policy loss plus PPO2-style clipped value loss, and OAI's minibatch stats.
 

@@ -29,7 +29,9 @@ def answer(lm, tokenizer, task, queries: torch.Tensor, seed: int) -> list[str]:
     pad_id = tokenizer.oai_pad_token_id
     torch.manual_seed(seed)
     contexts = format_queries(queries, tokenizer, task).to(next(lm.parameters()).device)
-    responses, _ = sample_responses(lm, contexts, pad_id, task.response_length, task.temperature, vocab_size=len(tokenizer))
+    responses, _ = sample_responses(
+        lm, contexts, pad_id, task.response_length, task.temperature, vocab_size=len(tokenizer)
+    )
     return [tokenizer.decode(strip_pad(r, pad_id)) for r in responses]
 
 
@@ -43,7 +45,9 @@ def main() -> None:
     argv = sys.argv[1:]
     if not any(a == "--output-dir" or a.startswith("--output-dir=") for a in argv):
         argv = [*argv, "--output-dir", "runs/quickstart"]
-    args = cli.parse(train_policy.Args, train_policy.defaults_for_task, default_task=PRESET, argv=argv, description=__doc__)
+    args = cli.parse(
+        train_policy.Args, train_policy.defaults_for_task, default_task=PRESET, argv=argv, description=__doc__
+    )
     accelerator = cli.make_accelerator()
     tokenizer = load_tokenizer(args.task.base_model)
     probe = next(QuerySampler(args.task, tokenizer, batch_size=4, seed=args.seed + 7))  # queries shown before and after
@@ -69,7 +73,9 @@ def main() -> None:
     labeler = labelers.load_labeler(args.eval_labeler)
     queries = [tokenizer.decode(strip_pad(q, tokenizer.oai_pad_token_id)) for q in probe]
     print("\n=== the same queries, before and after PPO ===")
-    for query, old, new, old_score, new_score in zip(queries, before, after, labeler(queries, before), labeler(queries, after)):
+    for query, old, new, old_score, new_score in zip(
+        queries, before, after, labeler(queries, before), labeler(queries, after)
+    ):
         print(f"query:  {query!r}\n  before [{old_score:+.2f}] {old!r}\n  after  [{new_score:+.2f}] {new!r}")
     records = [r for r in read_metrics(metrics_path) if "objective/labeler_score" in r]
     k = max(1, len(records) // 5)

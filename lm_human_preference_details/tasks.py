@@ -51,10 +51,19 @@ def check_task(task: TaskHParams) -> None:
     is loaded: `check_truncate_token`)."""
     from lm_human_preference_details.cli import UserError, require
 
-    require(0, {"task.query_length": task.query_length, "task.response_length": task.response_length, "task.temperature": task.temperature})
+    require(
+        0,
+        {
+            "task.query_length": task.query_length,
+            "task.response_length": task.response_length,
+            "task.temperature": task.temperature,
+        },
+    )
     if task.truncate_token is not None and not 0 <= task.truncate_after < task.response_length:
-        raise UserError(f"--task.truncate-after {task.truncate_after} must be in [0, task.response_length={task.response_length}): "
-                        f"a response has no token at or after it, so every response would get the penalty")
+        raise UserError(
+            f"--task.truncate-after {task.truncate_after} must be in [0, task.response_length={task.response_length}): "
+            f"a response has no token at or after it, so every response would get the penalty"
+        )
 
 
 def check_truncate_token(task: TaskHParams, vocab_size: int) -> None:
@@ -62,8 +71,10 @@ def check_truncate_token(task: TaskHParams, vocab_size: int) -> None:
     from lm_human_preference_details.cli import UserError
 
     if task.truncate_token is not None and not 0 <= task.truncate_token < vocab_size:
-        raise UserError(f"--task.truncate-token {task.truncate_token} is outside the tokenizer's vocabulary [0, {vocab_size}): "
-                        "no response would contain it, so every response would get the penalty")
+        raise UserError(
+            f"--task.truncate-token {task.truncate_token} is outside the tokenizer's vocabulary [0, {vocab_size}): "
+            "no response would contain it, so every response would get the penalty"
+        )
 
 
 @dataclass
@@ -84,9 +95,9 @@ class LabelHParams:
 
     @property
     def num_responses(self) -> int:
-        if not self.type.startswith("best_of_") or not self.type[len("best_of_"):].isdigit():
+        if not self.type.startswith("best_of_") or not self.type[len("best_of_") :].isdigit():
             raise UserError(f"labels.type={self.type!r} is not supported; use best_of_N, e.g. best_of_4")
-        return int(self.type[len("best_of_"):])
+        return int(self.type[len("best_of_") :])
 
 
 @dataclass
@@ -103,8 +114,15 @@ def _books(labels: str) -> TaskPreset:
     # OAI: launch.py#L8-L19 (books_task), #L49-L72 (reward experiments), #L116-L138 (policy sentiment)
     return TaskPreset(
         task=TaskHParams(
-            base_model="gpt2", query_dataset="books", query_length=64, start_text=".", end_text=".",
-            response_length=24, truncate_token=13, truncate_after=16, temperature=0.7,
+            base_model="gpt2",
+            query_dataset="books",
+            query_length=64,
+            start_text=".",
+            end_text=".",
+            response_length=24,
+            truncate_token=13,
+            truncate_after=16,
+            temperature=0.7,
         ),
         labels=LabelHParams(type="best_of_4", num_train=4992, source=f"{OAI_LABELS}/{labels}/offline_5k.json"),
         reward=dict(batch_size=32, lr=5e-5, rollout_batch_size=512, normalize_samples=256),
@@ -119,8 +137,16 @@ def _tldr() -> TaskPreset:
     # OAI: launch.py#L36-L47 (summarize_tldr_task), #L50-L55 + #L98-L111 (reward tldr), #L171-L187 (policy tldr)
     return TaskPreset(
         task=TaskHParams(
-            base_model="gpt2", query_dataset="tldr", query_length=500, query_suffix="\n\nTL;DR:", start_text=None,
-            end_text=None, response_length=75, truncate_token=198, truncate_after=55, temperature=0.7,  # 198: "\n"
+            base_model="gpt2",
+            query_dataset="tldr",
+            query_length=500,
+            query_suffix="\n\nTL;DR:",
+            start_text=None,
+            end_text=None,
+            response_length=75,
+            truncate_token=198,
+            truncate_after=55,
+            temperature=0.7,  # 198: "\n"
         ),
         labels=LabelHParams(type="best_of_4", num_train=46_000, source=f"{OAI_LABELS}/tldr/online_45k.json"),
         reward=dict(batch_size=16, lr=2.5e-5, rollout_batch_size=128, normalize_samples=256),
@@ -128,7 +154,9 @@ def _tldr() -> TaskPreset:
             rewards=dict(kl_coef=0.03, adaptive_kl=False),
             # OAI binds `rewards.whiten=False`, a field its HParams do not have (its tldr run stops there with a
             # KeyError); read here as the reward whitening it names
-            ppo=dict(total_episodes=1_000_000, batch_size=32, lr=2e-6, noptepochs=4, nminibatches=1, whiten_rewards=False),
+            ppo=dict(
+                total_episodes=1_000_000, batch_size=32, lr=2e-6, noptepochs=4, nminibatches=1, whiten_rewards=False
+            ),
         ),
     )
 
@@ -140,8 +168,13 @@ PRESETS: dict[str, TaskPreset] = {
     # seconds on a CPU: a 2-layer character-level GPT-2 learns to prefer vowels (labels made on the spot)
     "tiny": TaskPreset(
         task=TaskHParams(
-            base_model=TINY, query_dataset="chatterbot", query_length=16, start_text=None, end_text=None,
-            response_length=12, temperature=1.0,
+            base_model=TINY,
+            query_dataset="chatterbot",
+            query_length=16,
+            start_text=None,
+            end_text=None,
+            response_length=12,
+            temperature=1.0,
         ),
         labels=LabelHParams(type="best_of_4", num_train=1536, num_test=256, labeler="vowels"),
         reward=dict(batch_size=32, lr=1e-3, rollout_batch_size=128, normalize_samples=256),
@@ -156,9 +189,15 @@ PRESETS: dict[str, TaskPreset] = {
     "sentiment-smollm2": TaskPreset(
         task=TaskHParams(
             # the query wrapped in SmolLM2's chat template, as OAI's tldr task wraps its query in a prefix/suffix
-            base_model=SMOLLM2, query_dataset="chatterbot", query_length=16, start_text=None, end_text=None,
-            query_prefix="<|im_start|>user\n", query_suffix="<|im_end|>\n<|im_start|>assistant\n",
-            response_length=16, temperature=0.7,
+            base_model=SMOLLM2,
+            query_dataset="chatterbot",
+            query_length=16,
+            start_text=None,
+            end_text=None,
+            query_prefix="<|im_start|>user\n",
+            query_suffix="<|im_end|>\n<|im_start|>assistant\n",
+            response_length=16,
+            temperature=0.7,
         ),
         labels=LabelHParams(type="best_of_4", num_train=384, num_test=64, labeler="vader"),
         reward=dict(batch_size=16, lr=1e-4, rollout_batch_size=128, normalize_samples=128),

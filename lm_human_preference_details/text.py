@@ -34,7 +34,9 @@ def packaged_gpt2_tokenizer() -> GPT2Tokenizer:
     with open(os.path.join(data, "vocab.bpe"), encoding="utf-8") as f:
         merges = [tuple(line.split()) for line in f.read().split("\n")[1:] if line]
     # GPT2TokenizerFast(vocab_file=...) silently builds an empty tokenizer in transformers 5; this does not
-    return GPT2Tokenizer(vocab=vocab, merges=merges, unk_token="<|endoftext|>", bos_token="<|endoftext|>", eos_token="<|endoftext|>")
+    return GPT2Tokenizer(
+        vocab=vocab, merges=merges, unk_token="<|endoftext|>", bos_token="<|endoftext|>", eos_token="<|endoftext|>"
+    )
 
 
 def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
@@ -42,7 +44,10 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
 
     The returned tokenizer carries OAI's pad id as `oai_pad_token_id`.
     """
-    from .assets import resolve_model_path, unknown_model  # local presets ("tiny", "smollm2-135m") are built on first use
+    from .assets import (
+        resolve_model_path,
+        unknown_model,
+    )  # local presets ("tiny", "smollm2-135m") are built on first use
 
     path = resolve_model_path(name_or_path)
     try:
@@ -65,7 +70,9 @@ def single_token(tokenizer: PreTrainedTokenizerBase, text: str | None, field: st
     return ids[0]
 
 
-def query_tokens(tokens: list[int], query_length: int, start_token: int | None, end_token: int | None) -> list[int] | None:
+def query_tokens(
+    tokens: list[int], query_length: int, start_token: int | None, end_token: int | None
+) -> list[int] | None:
     """Cut a document into a query as OAI does, unpadded; None where OAI skips the document.
 
     After the first `start_token` (if the document has none, skip it), keep `query_length`
@@ -108,7 +115,9 @@ def strip_pad(tokens, pad_id: int) -> list[int]:
     return [t for t in tokens if t != pad_id]
 
 
-def truncate_after_token(responses: torch.Tensor, truncate_token: int, truncate_after: int, pad_id: int) -> torch.Tensor:
+def truncate_after_token(
+    responses: torch.Tensor, truncate_token: int, truncate_after: int, pad_id: int
+) -> torch.Tensor:
     """Replace every token after the first `truncate_token` at index >= `truncate_after` by `pad_id`.
 
     # OAI: lm_human_preferences/lm_tasks.py#L39-L52 (postprocess_fn_from_hparams)

@@ -38,10 +38,27 @@ class RunArgs:
 class Tracker:
     @classmethod
     def for_run(cls, args: RunArgs, stage: str, accelerator, resume_after_step: int | None = None) -> "Tracker":
-        return cls(args.output_dir, args, enabled=accelerator.is_main_process, wandb_mode=args.wandb_mode,
-                   project=args.wandb_project, run_name=args.run_name_for(stage), resume_after_step=resume_after_step)
+        return cls(
+            args.output_dir,
+            args,
+            enabled=accelerator.is_main_process,
+            wandb_mode=args.wandb_mode,
+            project=args.wandb_project,
+            run_name=args.run_name_for(stage),
+            resume_after_step=resume_after_step,
+        )
 
-    def __init__(self, output_dir: str, config, *, enabled: bool, wandb_mode: WandbMode, project: str, run_name: str, resume_after_step: int | None = None):
+    def __init__(
+        self,
+        output_dir: str,
+        config,
+        *,
+        enabled: bool,
+        wandb_mode: WandbMode,
+        project: str,
+        run_name: str,
+        resume_after_step: int | None = None,
+    ):
         """`resume_after_step`: continue the run's files, dropping what was logged after that step
         (a run killed after its last checkpoint logged steps that the resumed run logs again)."""
         self.enabled = enabled
@@ -71,8 +88,13 @@ class Tracker:
                 with open(id_path, "w") as f:
                     f.write(run_id + "\n")
             self.wandb = wandb.init(
-                project=project, name=run_name, config=config_dict, mode=wandb_mode, dir=output_dir,
-                id=run_id, resume="allow" if resume_after_step is not None else None,
+                project=project,
+                name=run_name,
+                config=config_dict,
+                mode=wandb_mode,
+                dir=output_dir,
+                id=run_id,
+                resume="allow" if resume_after_step is not None else None,
             )
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -95,7 +117,9 @@ class Tracker:
             import wandb
 
             columns = list(rows[0])
-            self.wandb.log({"samples": wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])}, step=step)
+            self.wandb.log(
+                {"samples": wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])}, step=step
+            )
 
     def finish(self) -> None:
         if not self.enabled:

@@ -28,8 +28,8 @@ from safetensors.torch import save_file
 
 from lm_human_preference_details import checkpoint, cli, labelers, ppo, tasks, train_reward
 from lm_human_preference_details.data import QuerySampler, format_queries
-from lm_human_preference_details.optim import OptimizerName, make_optimizer
 from lm_human_preference_details.models import PolicyAndValue, RewardModel, load_causal_lm, logprobs_of
+from lm_human_preference_details.optim import OptimizerName, make_optimizer
 from lm_human_preference_details.sampling import sample_responses
 from lm_human_preference_details.tasks import TaskHParams
 from lm_human_preference_details.text import contains_truncate_token, load_tokenizer, strip_pad, truncate_after_token
@@ -107,7 +107,16 @@ class Args(RunArgs):
     """continue the run in output_dir from its last checkpoint"""
 
 
-MAY_CHANGE_ON_RESUME = {"resume", "save_interval", "sample_interval", "eval_labeler", "output_dir", "wandb_mode", "wandb_project", "run_name"}
+MAY_CHANGE_ON_RESUME = {
+    "resume",
+    "save_interval",
+    "sample_interval",
+    "eval_labeler",
+    "output_dir",
+    "wandb_mode",
+    "wandb_project",
+    "run_name",
+}
 """what a resumed run may set otherwise; the rest of its settings must be the checkpoint's (`checkpoint.check_same_settings`)"""
 
 
@@ -123,25 +132,45 @@ def validate(args: Args, world_size: int) -> None:
     """Fail before any work on sizes that do not divide (# OAI: lm_human_preferences/train_policy.py#L69-L75)."""
     p = args.ppo
     tasks.check_task(args.task)
-    cli.require(0, {"ppo.total_episodes": p.total_episodes, "ppo.batch_size": p.batch_size, "ppo.nminibatches": p.nminibatches,
-                    "ppo.noptepochs": p.noptepochs, "ppo.gradient_accumulation_steps": p.gradient_accumulation_steps,
-                    "ppo.lr": p.lr, "ppo.adam_eps": p.adam_eps, "sample_interval": args.sample_interval})
+    cli.require(
+        0,
+        {
+            "ppo.total_episodes": p.total_episodes,
+            "ppo.batch_size": p.batch_size,
+            "ppo.nminibatches": p.nminibatches,
+            "ppo.noptepochs": p.noptepochs,
+            "ppo.gradient_accumulation_steps": p.gradient_accumulation_steps,
+            "ppo.lr": p.lr,
+            "ppo.adam_eps": p.adam_eps,
+            "sample_interval": args.sample_interval,
+        },
+    )
     cli.require(0, {"save_interval": args.save_interval, "rewards.kl_coef": args.rewards.kl_coef}, strictly=False)
     if args.rewards.adaptive_kl:  # (a coefficient of 0 stays 0 however it adapts)
-        cli.require(0, {"rewards.kl_coef": args.rewards.kl_coef, "rewards.target_kl": args.rewards.target_kl,
-                        "rewards.horizon": args.rewards.horizon})
+        cli.require(
+            0,
+            {
+                "rewards.kl_coef": args.rewards.kl_coef,
+                "rewards.target_kl": args.rewards.target_kl,
+                "rewards.horizon": args.rewards.horizon,
+            },
+        )
     if p.batch_size % world_size:
         raise cli.UserError(f"ppo.batch_size={p.batch_size} must divide evenly over {world_size} processes")
     per_process = p.batch_size // world_size
     if per_process % p.nminibatches:
-        raise cli.UserError(f"ppo.batch_size / processes = {per_process} must be divisible by ppo.nminibatches={p.nminibatches}")
+        raise cli.UserError(
+            f"ppo.batch_size / processes = {per_process} must be divisible by ppo.nminibatches={p.nminibatches}"
+        )
     if (per_process // p.nminibatches) % p.gradient_accumulation_steps:
         raise cli.UserError(
             f"a minibatch of {per_process // p.nminibatches} per process must be divisible by "
             f"ppo.gradient_accumulation_steps={p.gradient_accumulation_steps}"
         )
     if p.total_episodes < p.batch_size:
-        raise cli.UserError(f"ppo.total_episodes={p.total_episodes} is less than one batch (ppo.batch_size={p.batch_size})")
+        raise cli.UserError(
+            f"ppo.total_episodes={p.total_episodes} is less than one batch (ppo.batch_size={p.batch_size})"
+        )
     if p.whiten_rewards and per_process // p.nminibatches < 8:
         raise cli.UserError(
             f"a minibatch of {per_process // p.nminibatches} per process is too small to whiten rewards over "
@@ -155,8 +184,14 @@ def load_reward_model(path: str, tokenizer) -> RewardModel:
         raise cli.UserError(f"rewards.trained_model={path}: no such folder; train one with train_reward.py")
     if not os.path.exists(os.path.join(path, RewardModel.HEAD_FILE)):
         inside = os.path.join(path, "reward_model")
-        hint = f"pass {inside}, where train_reward.py saved it" if os.path.isdir(inside) else "train one with train_reward.py"
-        raise cli.UserError(f"rewards.trained_model={path} is not a reward model folder (no {RewardModel.HEAD_FILE}): {hint}")
+        hint = (
+            f"pass {inside}, where train_reward.py saved it"
+            if os.path.isdir(inside)
+            else "train one with train_reward.py"
+        )
+        raise cli.UserError(
+            f"rewards.trained_model={path} is not a reward model folder (no {RewardModel.HEAD_FILE}): {hint}"
+        )
     reward_tokenizer = load_tokenizer(path)
     if reward_tokenizer.get_vocab() != tokenizer.get_vocab():
         raise cli.UserError(
@@ -179,7 +214,9 @@ def forward_responses(model, contexts: torch.Tensor, responses: torch.Tensor, pa
 def train(args: Args, accelerator) -> tuple[PolicyAndValue, ppo.AdaptiveKLController | ppo.FixedKLController]:
     """Run stage 2 (and stage 1 first when no reward model is given); returns the policy and its KL controller."""
     validate(args, accelerator.num_processes)
-    requested = checkpoint.settings(args)  # as given: train() fills in the reward model's path, which follows output_dir
+    requested = checkpoint.settings(
+        args
+    )  # as given: train() fills in the reward model's path, which follows output_dir
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
     tokenizer = load_tokenizer(args.task.base_model)
     tasks.check_truncate_token(args.task, len(tokenizer))  # like a bad labeler name: an error before stage 1, not after
@@ -197,14 +234,21 @@ def train(args: Args, accelerator) -> tuple[PolicyAndValue, ppo.AdaptiveKLContro
             trained[0] = os.path.isdir(reward_path)  # complete: train_reward swaps it in whole
         broadcast_object_list(trained)  # rank 0 decides, so that all processes take the same path
         if args.resume and not trained[0]:
-            raise cli.UserError(f"--resume: no reward model in {reward_path}" + (
-                ", which the checkpoint's policy was trained against; resume with --rewards.trained-model, or start over"
-                if resume_from_checkpoint else f" and no checkpoint in {args.output_dir}/checkpoint; run without --resume, "
-                "or point --output-dir at the run to resume"))
+            raise cli.UserError(
+                f"--resume: no reward model in {reward_path}"
+                + (
+                    ", which the checkpoint's policy was trained against; resume with --rewards.trained-model, or start over"
+                    if resume_from_checkpoint
+                    else f" and no checkpoint in {args.output_dir}/checkpoint; run without --resume, "
+                    "or point --output-dir at the run to resume"
+                )
+            )
         if not trained[0]:
             reward_path = train_reward.train(reward_args, accelerator)
         elif not resume_from_checkpoint:  # killed after stage 1, before stage 2's first checkpoint
-            accelerator.print(f"--resume: the reward model in {reward_path} is done and stage 2 saved no checkpoint: it starts over")
+            accelerator.print(
+                f"--resume: the reward model in {reward_path} is done and stage 2 saved no checkpoint: it starts over"
+            )
         args.rewards.trained_model = reward_path
         args.resume = resume_from_checkpoint
     set_seed(args.seed + rank * 100003)  # OAI: lm_human_preferences/utils/core.py#L108-L111
@@ -214,19 +258,26 @@ def train(args: Args, accelerator) -> tuple[PolicyAndValue, ppo.AdaptiveKLContro
     policy = PolicyAndValue(load_causal_lm(args.task.base_model), len(tokenizer)).to(device)
     p = args.ppo
     optimizer = make_optimizer(p.optimizer, policy.parameters(), p.lr, p.adam_eps)
-    kl_ctl = ppo.AdaptiveKLController(args.rewards.kl_coef, args.rewards.target_kl, args.rewards.horizon) if args.rewards.adaptive_kl \
-        else ppo.FixedKLController(args.rewards.kl_coef)  # OAI: lm_human_preferences/train_policy.py#L107-L124
+    kl_ctl = (
+        ppo.AdaptiveKLController(args.rewards.kl_coef, args.rewards.target_kl, args.rewards.horizon)
+        if args.rewards.adaptive_kl
+        else ppo.FixedKLController(args.rewards.kl_coef)
+    )  # OAI: lm_human_preferences/train_policy.py#L107-L124
     per_process = p.batch_size // world
     minibatch = per_process // p.nminibatches
     micro_batch = minibatch // p.gradient_accumulation_steps
     num_updates = -(-p.total_episodes // p.batch_size)  # ceil, OAI: lm_human_preferences/train_policy.py#L78-L79
-    sampler = QuerySampler(args.task, tokenizer, batch_size=per_process, seed=args.task.query_seed, rank=rank, world_size=world)
+    sampler = QuerySampler(
+        args.task, tokenizer, batch_size=per_process, seed=args.task.query_seed, rank=rank, world_size=world
+    )
     model, optimizer = accelerator.prepare(policy, optimizer)
 
     start_update = 1
     if args.resume:
         loop = checkpoint.load(args.output_dir, accelerator, model, optimizer)
-        checkpoint.check_same_settings(loop.get("settings"), requested, MAY_CHANGE_ON_RESUME, f"{args.output_dir}/checkpoint")
+        checkpoint.check_same_settings(
+            loop.get("settings"), requested, MAY_CHANGE_ON_RESUME, f"{args.output_dir}/checkpoint"
+        )
         kl_ctl.value, start_update = loop["kl_coef"], loop["update"] + 1
         sampler.skip(loop["sampler_batches"])
         accelerator.print(f"resumed after update {loop['update']}")
@@ -243,7 +294,12 @@ def train(args: Args, accelerator) -> tuple[PolicyAndValue, ppo.AdaptiveKLContro
             queries = next(sampler).to(device)  # (B, Q) bare queries: what the reward model reads
             contexts = format_queries(queries, tokenizer, args.task)  # (B, Q'): what the policy reads
             responses, _ = sample_responses(
-                accelerator.unwrap_model(model).lm, contexts, pad_id, args.task.response_length, args.task.temperature, vocab_size=len(tokenizer)
+                accelerator.unwrap_model(model).lm,
+                contexts,
+                pad_id,
+                args.task.response_length,
+                args.task.temperature,
+                vocab_size=len(tokenizer),
             )
             logits, values = forward_responses(model, contexts, responses, pad_id, args.task.temperature)
             logprobs = logprobs_of(logits, responses, 1.0)  # (B, R), logits already at the temperature
@@ -270,18 +326,30 @@ def train(args: Args, accelerator) -> tuple[PolicyAndValue, ppo.AdaptiveKLContro
             order = torch.randperm(per_process, device=device)
             for mb_start in range(0, per_process, minibatch):
                 mb = order[mb_start : mb_start + minibatch]
-                advantages, returns = ppo.minibatch_advantages(values[mb], rewards[mb], p.gamma, p.lam, p.whiten_rewards)
+                advantages, returns = ppo.minibatch_advantages(
+                    values[mb], rewards[mb], p.gamma, p.lam, p.whiten_rewards
+                )
                 micro_stats = []
                 for micro_start in range(0, minibatch, micro_batch):
                     micro = slice(micro_start, micro_start + micro_batch)
                     idx = mb[micro]
                     last_micro = micro_start + micro_batch == minibatch
                     with contextlib.nullcontext() if last_micro else accelerator.no_sync(model):
-                        new_logits, new_values = forward_responses(model, contexts[idx], responses[idx], pad_id, args.task.temperature)
+                        new_logits, new_values = forward_responses(
+                            model, contexts[idx], responses[idx], pad_id, args.task.temperature
+                        )
                         new_logprobs = logprobs_of(new_logits, responses[idx], 1.0)
                         loss, stats = ppo.ppo_loss(
-                            new_logprobs, new_values, logprobs[idx], values[idx], advantages[micro], returns[micro],
-                            p.cliprange, p.cliprange_value, p.vf_coef, entropy=ppo.entropy_from_logits(new_logits.detach()),
+                            new_logprobs,
+                            new_values,
+                            logprobs[idx],
+                            values[idx],
+                            advantages[micro],
+                            returns[micro],
+                            p.cliprange,
+                            p.cliprange_value,
+                            p.vf_coef,
+                            entropy=ppo.entropy_from_logits(new_logits.detach()),
                         )
                         accelerator.backward(loss / p.gradient_accumulation_steps)
                     stats.update(ppo.ratio_diagnostics(new_logprobs.detach(), logprobs[idx]))
@@ -305,33 +373,57 @@ def train(args: Args, accelerator) -> tuple[PolicyAndValue, ppo.AdaptiveKLContro
             if eval_labeler is not None:
                 texts = [tokenizer.decode(strip_pad(r, pad_id)) for r in scored]
                 query_texts = [tokenizer.decode(strip_pad(q, pad_id)) for q in queries]
-                local["objective/labeler_score"] = torch.tensor(eval_labeler(query_texts, texts), dtype=torch.float32, device=device).mean()
+                local["objective/labeler_score"] = torch.tensor(
+                    eval_labeler(query_texts, texts), dtype=torch.float32, device=device
+                ).mean()
             # across processes as ppo.stat_reduction says (accelerate has no min: the max of the negated)
             sign = {k: -1.0 if ppo.stat_reduction(k) == "min" else 1.0 for k in local}
-            by_reduction = {"max": sorted(k for k in local if ppo.stat_reduction(k) != "mean"),
-                            "mean": sorted(k for k in local if ppo.stat_reduction(k) == "mean")}
+            by_reduction = {
+                "max": sorted(k for k in local if ppo.stat_reduction(k) != "mean"),
+                "mean": sorted(k for k in local if ppo.stat_reduction(k) == "mean"),
+            }
             metrics = {}
             for reduction, keys in by_reduction.items():
                 reduced = accelerator.reduce(torch.stack([sign[k] * local[k].float() for k in keys]), reduction)
                 metrics.update({k: sign[k] * float(v) for k, v in zip(keys, reduced)})
-        metrics["ppo/val/var_explained"] = 1 - metrics["ppo/val/error"] / max(metrics["ppo/returns/var"], 1e-12)  # OAI: train_policy.py#L241
+        metrics["ppo/val/var_explained"] = 1 - metrics["ppo/val/error"] / max(
+            metrics["ppo/returns/var"], 1e-12
+        )  # OAI: train_policy.py#L241
         kl_ctl.update(metrics["objective/kl"], p.batch_size)  # OAI: lm_human_preferences/train_policy.py#L305
         episodes = update * p.batch_size
-        metrics.update({"ppo/lr": lr, "episodes": episodes, "time/update_s": time.time() - update_started,
-                        "time/episodes_per_s": (update - start_update + 1) * p.batch_size / (time.time() - started)})
+        metrics.update(
+            {
+                "ppo/lr": lr,
+                "episodes": episodes,
+                "time/update_s": time.time() - update_started,
+                "time/episodes_per_s": (update - start_update + 1) * p.batch_size / (time.time() - started),
+            }
+        )
         tracker.log(update, metrics)
         accelerator.print(
             f"update {update}/{num_updates}  score {metrics['objective/scores']:+.3f}  kl {metrics['objective/kl']:.3f}  "
             f"kl_coef {kl_ctl.value:.4f}  approxkl {metrics['ppo/policy/approxkl']:.4f}  {metrics['time/update_s']:.1f}s"
         )
         if update % args.sample_interval == 0 or update in (1, num_updates):
-            tracker.log_samples(update, [
-                {"query": tokenizer.decode(strip_pad(q, pad_id)), "response": tokenizer.decode(strip_pad(r, pad_id)), "score": float(s)}
-                for q, r, s in list(zip(queries, scored, scores))[:8]
-            ])
+            tracker.log_samples(
+                update,
+                [
+                    {
+                        "query": tokenizer.decode(strip_pad(q, pad_id)),
+                        "response": tokenizer.decode(strip_pad(r, pad_id)),
+                        "score": float(s),
+                    }
+                    for q, r, s in list(zip(queries, scored, scores))[:8]
+                ],
+            )
         if (args.save_interval and update % args.save_interval == 0) or update == num_updates:
-            loop_state = {"update": update, "kl_coef": kl_ctl.value, "sampler_batches": sampler.batches_drawn, "world_size": world,
-                          "settings": requested}
+            loop_state = {
+                "update": update,
+                "kl_coef": kl_ctl.value,
+                "sampler_batches": sampler.batches_drawn,
+                "world_size": world,
+                "settings": requested,
+            }
             checkpoint.save(args.output_dir, accelerator, model, optimizer, loop_state)
 
     if accelerator.is_main_process:
@@ -339,7 +431,10 @@ def train(args: Args, accelerator) -> tuple[PolicyAndValue, ppo.AdaptiveKLContro
         unwrapped = accelerator.unwrap_model(model)
         unwrapped.lm.save_pretrained(path)
         tokenizer.save_pretrained(path)
-        save_file({k: v.contiguous() for k, v in unwrapped.value_head.state_dict().items()}, os.path.join(path, "value_head.safetensors"))
+        save_file(
+            {k: v.contiguous() for k, v in unwrapped.value_head.state_dict().items()},
+            os.path.join(path, "value_head.safetensors"),
+        )
         accelerator.print(f"saved the policy to {path}")
     accelerator.wait_for_everyone()
     tracker.finish()

@@ -68,14 +68,26 @@ def defaults_for_task(name: str) -> Args:
 def validate(args: Args, world_size: int) -> None:
     """Fail before any work on combinations that cannot run (# OAI: lm_human_preferences/train_reward.py#L56-L58)."""
     tasks.check_task(args.task)
-    cli.require(0, {"batch_size": args.batch_size, "rollout_batch_size": args.rollout_batch_size, "lr": args.lr, "adam_eps": args.adam_eps})
+    cli.require(
+        0,
+        {
+            "batch_size": args.batch_size,
+            "rollout_batch_size": args.rollout_batch_size,
+            "lr": args.lr,
+            "adam_eps": args.adam_eps,
+        },
+    )
     cli.require(0, {"labels.num_test": args.labels.num_test, "debug_normalize": args.debug_normalize}, strictly=False)
     if args.labels.num_train <= 0 or args.labels.num_train % args.batch_size:
-        raise cli.UserError(f"labels.num_train={args.labels.num_train} must be a positive multiple of batch_size={args.batch_size}")
+        raise cli.UserError(
+            f"labels.num_train={args.labels.num_train} must be a positive multiple of batch_size={args.batch_size}"
+        )
     if args.batch_size % world_size:
         raise cli.UserError(f"batch_size={args.batch_size} must divide evenly over {world_size} processes")
     if args.rollout_batch_size % world_size:
-        raise cli.UserError(f"rollout_batch_size={args.rollout_batch_size} must divide evenly over {world_size} processes")
+        raise cli.UserError(
+            f"rollout_batch_size={args.rollout_batch_size} must divide evenly over {world_size} processes"
+        )
     if (args.normalize_before or args.normalize_after) and args.normalize_samples <= 0:
         raise cli.UserError("normalize_samples must be positive when normalize_before or normalize_after is set")
     if args.labels.source is None and args.labels.labeler is None:
@@ -97,7 +109,9 @@ def reward_logits(reward_model, labels: Labels, pad_id: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def reference_reward_stats(reward_model, ref_lm, sampler: QuerySampler, task: TaskHParams, tokenizer, num_samples: int, accelerator) -> tuple[float, float]:
+def reference_reward_stats(
+    reward_model, ref_lm, sampler: QuerySampler, task: TaskHParams, tokenizer, num_samples: int, accelerator
+) -> tuple[float, float]:
     """Mean and population std of the reward of reference-policy samples, over all processes.
 
     # OAI: lm_human_preferences/train_reward.py#L162-L168 (stats), #L190-L199 (sample_policy_batch):
@@ -109,11 +123,18 @@ def reference_reward_stats(reward_model, ref_lm, sampler: QuerySampler, task: Ta
     for _ in range(math.ceil(num_samples / rollout_batch_size)):
         queries = next(sampler).to(accelerator.device)
         responses, _ = sample_responses(
-            ref_lm, format_queries(queries, tokenizer, task), pad_id, task.response_length, task.temperature, vocab_size=len(tokenizer)
+            ref_lm,
+            format_queries(queries, tokenizer, task),
+            pad_id,
+            task.response_length,
+            task.temperature,
+            vocab_size=len(tokenizer),
         )
         rewards.append(reward_model(torch.cat([queries, responses], dim=1), pad_id))
     rewards = torch.cat(rewards).double()
-    sums = accelerator.reduce(torch.stack([rewards.sum(), rewards.square().sum(), rewards.new_tensor(float(len(rewards)))]), "sum")
+    sums = accelerator.reduce(
+        torch.stack([rewards.sum(), rewards.square().sum(), rewards.new_tensor(float(len(rewards)))]), "sum"
+    )
     mean = sums[0] / sums[2]
     return float(mean), float(torch.sqrt(sums[1] / sums[2] - mean**2))
 
@@ -127,8 +148,10 @@ def normalize(reward_model, measure, debug_samples: int, tracker: Tracker, step:
     reward_model.reset_reward_scale()
     mean, std = measure(None)
     if not (math.isfinite(mean) and math.isfinite(std) and std > 0):  # OAI asserts finite: train_reward.py#L182-L186
-        raise RuntimeError(f"normalize {when}: the reference samples' rewards have mean {mean} and std {std}; gain and bias "
-                           "need a finite mean and a std above 0 (a reward model that diverged, or scores every sample alike)")
+        raise RuntimeError(
+            f"normalize {when}: the reference samples' rewards have mean {mean} and std {std}; gain and bias "
+            "need a finite mean and a std above 0 (a reward model that diverged, or scores every sample alike)"
+        )
     reward_model.set_reward_norm(old_mean=mean, old_std=std, new_mean=0.0, new_std=1.0)
     gain, bias = reward_model.gain.item(), reward_model.bias.item()
     stats = {f"norm/{when}/mean": mean, f"norm/{when}/std": std, f"norm/{when}/gain": gain, f"norm/{when}/bias": bias}
@@ -141,8 +164,11 @@ def normalize(reward_model, measure, debug_samples: int, tracker: Tracker, step:
 def obtain_labels(args: Args, tokenizer, ref_lm, accelerator) -> Labels:
     """The label file, or labels made on the spot by the main process with `labels.labeler`."""
     label_kwargs = dict(
-        num_responses=args.labels.num_responses, query_length=args.task.query_length,
-        response_length=args.task.response_length, vocab_size=len(tokenizer), pad_id=tokenizer.oai_pad_token_id,
+        num_responses=args.labels.num_responses,
+        query_length=args.task.query_length,
+        response_length=args.task.response_length,
+        vocab_size=len(tokenizer),
+        pad_id=tokenizer.oai_pad_token_id,
     )
     source = args.labels.source
     if source is None:
@@ -151,7 +177,9 @@ def obtain_labels(args: Args, tokenizer, ref_lm, accelerator) -> Labels:
             needed = args.labels.num_train + args.labels.num_test
             accelerator.print(f"making {needed} labels with the {args.labels.labeler!r} labeler")
             # its own query stream, so that labels and normalization samples do not share queries
-            sampler = QuerySampler(args.task, tokenizer, batch_size=args.rollout_batch_size, seed=args.task.query_seed + 1)
+            sampler = QuerySampler(
+                args.task, tokenizer, batch_size=args.rollout_batch_size, seed=args.task.query_seed + 1
+            )
             labeler = labelers.load_labeler(args.labels.labeler)
             labels = make_labels(ref_lm, tokenizer, sampler, args.task, labeler, needed, args.labels.num_responses)
             write_labels(source, labels, tokenizer.oai_pad_token_id)
@@ -195,12 +223,18 @@ def train(args: Args, accelerator: Accelerator) -> str:
     train_labels = labels[: args.labels.num_train]
     test_labels = labels[args.labels.num_train : args.labels.num_train + args.labels.num_test]
     sampler = QuerySampler(
-        args.task, tokenizer, batch_size=args.rollout_batch_size // accelerator.num_processes,
-        seed=args.task.query_seed, rank=accelerator.process_index, world_size=accelerator.num_processes,
+        args.task,
+        tokenizer,
+        batch_size=args.rollout_batch_size // accelerator.num_processes,
+        seed=args.task.query_seed,
+        rank=accelerator.process_index,
+        world_size=accelerator.num_processes,
     )
 
     def measure(num_samples):
-        return reference_reward_stats(reward_model, ref_lm, sampler, args.task, tokenizer, num_samples or args.normalize_samples, accelerator)
+        return reference_reward_stats(
+            reward_model, ref_lm, sampler, args.task, tokenizer, num_samples or args.normalize_samples, accelerator
+        )
 
     if args.normalize_before:  # OAI: lm_human_preferences/train_reward.py#L232-L234
         normalize(reward_model, measure, args.debug_normalize, tracker, 0, "before", accelerator)
@@ -214,13 +248,17 @@ def train(args: Args, accelerator: Accelerator) -> str:
         lr = (1 - start / args.labels.num_train) * args.lr  # OAI: lm_human_preferences/train_reward.py#L249
         for group in optimizer.param_groups:
             group["lr"] = lr
-        batch = train_labels[order[start : start + args.batch_size][accelerator.process_index :: accelerator.num_processes]].to(device)
+        batch = train_labels[
+            order[start : start + args.batch_size][accelerator.process_index :: accelerator.num_processes]
+        ].to(device)
         logits = reward_logits(model, batch, pad_id)  # (b, K)
         loss = F.cross_entropy(logits, batch.best)  # OAI: lm_human_preferences/label_types.py#L44-L49
         optimizer.zero_grad()
         accelerator.backward(loss)
         optimizer.step()
-        stats = accelerator.reduce(torch.stack([loss.detach(), (logits.argmax(1) == batch.best).float().mean()]), "mean")
+        stats = accelerator.reduce(
+            torch.stack([loss.detach(), (logits.argmax(1) == batch.best).float().mean()]), "mean"
+        )
         tracker.log(step, {"train/loss": stats[0], "train/accuracy": stats[1], "train/lr": lr})
         if step % max(1, num_steps // 10) == 0 or step == num_steps:
             accelerator.print(f"step {step}/{num_steps}  loss {float(stats[0]):.4f}  accuracy {float(stats[1]):.3f}")
@@ -228,7 +266,9 @@ def train(args: Args, accelerator: Accelerator) -> str:
     if len(test_labels):
         test_accuracy = accuracy(reward_model, test_labels, pad_id, args.batch_size, accelerator)
         tracker.log(num_steps, {"test/accuracy": test_accuracy})
-        accelerator.print(f"held-out accuracy on {len(test_labels)} labels: {test_accuracy:.3f} (chance {1 / args.labels.num_responses:.3f})")
+        accelerator.print(
+            f"held-out accuracy on {len(test_labels)} labels: {test_accuracy:.3f} (chance {1 / args.labels.num_responses:.3f})"
+        )
     if args.normalize_after:  # OAI: lm_human_preferences/train_reward.py#L252-L254
         normalize(reward_model, measure, args.debug_normalize, tracker, num_steps, "after", accelerator)
 

@@ -84,8 +84,22 @@ def accelerate_two_processes() -> tuple[str, ...]:
 
     On a free port: a run of the user's own on accelerate's default port (29500) would take the rendezvous.
     """
-    return (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-            "--main_process_port", str(free_port()), "--mixed_precision", "no", "--dynamo_backend", "no")
+    return (
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--main_process_port",
+        str(free_port()),
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+    )
 
 
 @pytest.fixture(scope="session")

@@ -24,19 +24,52 @@ def load_script(name: str):
 @pytest.mark.slow
 def test_learning_curves_over_two_seeds_with_a_baseline(tmp_path):
     reward = tmp_path / "reward"
-    subprocess.run([sys.executable, "-m", "lm_human_preference_details.train_reward", "--task", "tiny", "--output-dir", str(reward),
-                    "--wandb-mode", "disabled", "--labels.num-train", "256", "--labels.num-test", "0"], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lm_human_preference_details.train_reward",
+            "--task",
+            "tiny",
+            "--output-dir",
+            str(reward),
+            "--wandb-mode",
+            "disabled",
+            "--labels.num-train",
+            "256",
+            "--labels.num-test",
+            "0",
+        ],
+        check=True,
+        capture_output=True,
+    )
     baseline = tmp_path / "baseline.csv"
     baseline.write_text("step,metric,value,seed\n1,objective/kl,0.0,1\n2,objective/kl,1.0,1\n")
     out = tmp_path / "curves"
-    load_script("learning_curves").main([
-        "--task", "tiny", "--seeds", "1", "2", "--out-dir", str(out), "--baseline", str(baseline),
-        "--", "--ppo.total-episodes", "128", "--rewards.trained-model", str(reward / "reward_model"),
-    ])
+    load_script("learning_curves").main(
+        [
+            "--task",
+            "tiny",
+            "--seeds",
+            "1",
+            "2",
+            "--out-dir",
+            str(out),
+            "--baseline",
+            str(baseline),
+            "--",
+            "--ppo.total-episodes",
+            "128",
+            "--rewards.trained-model",
+            str(reward / "reward_model"),
+        ]
+    )
     with open(out / "curves.csv") as f:
         rows = list(csv.DictReader(f))
     assert {r["seed"] for r in rows} == {"1", "2"}
-    assert {(r["seed"], r["step"]) for r in rows if r["metric"] == "objective/kl"} == {(s, t) for s in "12" for t in "12"}
+    assert {(r["seed"], r["step"]) for r in rows if r["metric"] == "objective/kl"} == {
+        (s, t) for s in "12" for t in "12"
+    }
     for metric in ("objective_scores", "objective_kl", "ppo_policy_approxkl"):
         assert (out / f"{metric}.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -52,20 +85,38 @@ def test_grpo_speed_rows_per_tensor_updates_and_one_thread_sync_are_flag_variant
         monkeypatch.delenv(name, raising=False)
     speed = load_script("grpo_speed")
     names = dict(speed.schedules(speed.Args(task="tiny", sync_steps=[4, 8])))  # tiny sends its updates in buckets
-    assert names == {"pipeline": ["--mode", "pipeline"],
-                     "pipeline, per-tensor updates": ["--mode", "pipeline", "--update-bucket-mb", "0"],
-                     "pipeline, 2 steps ahead": ["--mode", "pipeline", "--steps-ahead", "2"],
-                     "pipeline, 2.5 steps ahead, requests of 4 problems": ["--mode", "pipeline", "--steps-ahead", "2.5",
-                                                                           "--problems-per-request", "4"],
-                     "pipeline, 6 steps ahead": ["--mode", "pipeline", "--steps-ahead", "6"],
-                     "sync G=4": ["--mode", "sync", "--sync-steps", "4"], "sync G=8": ["--mode", "sync", "--sync-steps", "8"],
-                     "sync G=4, one thread per process": ["--mode", "sync", "--sync-steps", "4", "--threads", "1"]}
-    assert "pipeline, per-tensor updates" not in dict(speed.schedules(speed.Args(task="arith")))  # one per tensor already
-    assert list(dict(speed.schedules(speed.Args(per_tensor_row=False, one_thread_row=False, sync_steps=[4], pipeline_steps_ahead=[4]))
-                     )) == ["pipeline", "sync G=4"]  # 4: the preset's own, the `pipeline` row
+    assert names == {
+        "pipeline": ["--mode", "pipeline"],
+        "pipeline, per-tensor updates": ["--mode", "pipeline", "--update-bucket-mb", "0"],
+        "pipeline, 2 steps ahead": ["--mode", "pipeline", "--steps-ahead", "2"],
+        "pipeline, 2.5 steps ahead, requests of 4 problems": [
+            "--mode",
+            "pipeline",
+            "--steps-ahead",
+            "2.5",
+            "--problems-per-request",
+            "4",
+        ],
+        "pipeline, 6 steps ahead": ["--mode", "pipeline", "--steps-ahead", "6"],
+        "sync G=4": ["--mode", "sync", "--sync-steps", "4"],
+        "sync G=8": ["--mode", "sync", "--sync-steps", "8"],
+        "sync G=4, one thread per process": ["--mode", "sync", "--sync-steps", "4", "--threads", "1"],
+    }
+    assert "pipeline, per-tensor updates" not in dict(
+        speed.schedules(speed.Args(task="arith"))
+    )  # one per tensor already
+    assert list(
+        dict(
+            speed.schedules(
+                speed.Args(per_tensor_row=False, one_thread_row=False, sync_steps=[4], pipeline_steps_ahead=[4])
+            )
+        )
+    ) == ["pipeline", "sync G=4"]  # 4: the preset's own, the `pipeline` row
     from lm_human_preference_details.cli import UserError
 
-    with pytest.raises(UserError, match="--pipeline-steps-ahead 2.3: --steps-ahead 2.3 is 18.4 problems ahead, not a whole number"):
+    with pytest.raises(
+        UserError, match="--pipeline-steps-ahead 2.3: --steps-ahead 2.3 is 18.4 problems ahead, not a whole number"
+    ):
         speed.schedules(speed.Args(task="tiny", pipeline_steps_ahead=[2.3]))  # before any run
 
 
@@ -109,8 +160,17 @@ def test_grpo_speed_rows_are_over_the_steps_after_the_warm_up_and_the_table_show
     speed = load_script("grpo_speed")
     # 8 steps of 64 samples: a slow start (1 s), then 0.1 s a step; lag 0 at first, then 1, 3 by turns (rounds of 2)
     elapsed = [1.0 + 0.1 * i for i in range(8)]
-    rows = [{"time/elapsed_s": t, "samples": 64 * (i + 1), "completion/length": 6.0 if i else 20.0, "lag/mean": 0.0 if i < 2 else (1.0, 3.0)[i % 2],
-             "success/rate": 0.5, "time/wait_data_s": 0.0} for i, t in enumerate(elapsed)]
+    rows = [
+        {
+            "time/elapsed_s": t,
+            "samples": 64 * (i + 1),
+            "completion/length": 6.0 if i else 20.0,
+            "lag/mean": 0.0 if i < 2 else (1.0, 3.0)[i % 2],
+            "success/rate": 0.5,
+            "time/wait_data_s": 0.0,
+        }
+        for i, t in enumerate(elapsed)
+    ]
     row = speed.steady_state(rows, warm=2, round_steps=2)
     assert row["samples_per_s"] == pytest.approx(640) and row["s_per_step"] == pytest.approx(0.1)
     assert row["tokens_per_s"] == pytest.approx(640 * 6) and row["lag_steady"] == pytest.approx(2.0)
@@ -128,12 +188,19 @@ def test_grpo_speed_rows_are_over_the_steps_after_the_warm_up_and_the_table_show
 
 def test_grpo_speed_compares_each_sync_schedule_with_the_fastest_pipeline_at_no_more_lag():
     speed = load_script("grpo_speed")
-    rounds = {"pipeline": [(100, 2.9), (120, 2.8)], "pipeline, 2 steps ahead": [(80, 1.4), (90, 1.6)],
-              "pipeline, 6 steps ahead": [(130, 4.1), (150, 4.0)], "sync G=4": [(50, 1.5), (60, 1.5)],
-              "sync G=8": [(70, 3.5), (60, 3.5)], "sync G=2": [(40, 0.5), (40, 0.5)]}
+    rounds = {
+        "pipeline": [(100, 2.9), (120, 2.8)],
+        "pipeline, 2 steps ahead": [(80, 1.4), (90, 1.6)],
+        "pipeline, 6 steps ahead": [(130, 4.1), (150, 4.0)],
+        "sync G=4": [(50, 1.5), (60, 1.5)],
+        "sync G=8": [(70, 3.5), (60, 3.5)],
+        "sync G=2": [(40, 0.5), (40, 0.5)],
+    }
     runs = {name: [{"samples_per_s": s, "lag_steady": lag} for s, lag in rs] for name, rs in rounds.items()}
     med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
-    rows = {line.split(" | ")[0].strip("| "): line for line in speed.matched_lag(runs, med) if line.startswith("| sync")}
+    rows = {
+        line.split(" | ")[0].strip("| "): line for line in speed.matched_lag(runs, med) if line.startswith("| sync")
+    }
     # G=4 (lag 1.5): only the 2-ahead pipeline (median lag 1.5) is as on-policy; G=8: the 4-ahead one
     # is, and is faster than the 2-ahead; the 6-ahead one is faster still but lags more
     assert rows["sync G=4"] == "| sync G=4 | 1.50 | pipeline, 2 steps ahead | 1.50 | 1.55x | 1.60 / 1.50 |"
@@ -144,12 +211,14 @@ def test_grpo_speed_compares_each_sync_schedule_with_the_fastest_pipeline_at_no_
 @pytest.mark.slow
 def test_learning_curves_of_the_grpo_stage(tmp_path):
     out = tmp_path / "grpo"
-    load_script("learning_curves").main(["--stage", "grpo.launch", "--task", "tiny", "--seeds", "1", "--out-dir", str(out),
-                                         "--", "--steps", "3"])
+    load_script("learning_curves").main(
+        ["--stage", "grpo.launch", "--task", "tiny", "--seeds", "1", "--out-dir", str(out), "--", "--steps", "3"]
+    )
     with open(out / "curves.csv") as f:
         rows = list(csv.DictReader(f))
     assert {(r["metric"], r["step"]) for r in rows if r["metric"] in ("success/rate", "lag/mean")} == {
-        (m, s) for m in ("success/rate", "lag/mean") for s in "123"}
+        (m, s) for m in ("success/rate", "lag/mean") for s in "123"
+    }
     assert (out / "success_rate.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -164,7 +233,9 @@ def test_adam_ablation_compares_both_optimizers_on_one_reward_model(tmp_path):
     assert runs["adam_tf"][0]["objective/scores"] == runs["adam_torch"][0]["objective/scores"]
     assert runs["adam_tf"][0]["ppo/policy/approxkl"] != runs["adam_torch"][0]["ppo/policy/approxkl"]
     first = results["summary"]["first update"]["adam_tf"]
-    assert first["ppo/policy/ratio_min"] <= 1 <= first["ppo/policy/ratio_max"] and first["ppo/policy/logprob_diff_var"] > 0
+    assert (
+        first["ppo/policy/ratio_min"] <= 1 <= first["ppo/policy/ratio_max"] and first["ppo/policy/logprob_diff_var"] > 0
+    )
     assert "| approxkl |" in (out / "results.md").read_text()
 
 
@@ -191,18 +262,29 @@ def test_oai_baseline_export_renames_metrics_and_keeps_the_matching_runs(tmp_pat
     def config(task, model):
         return {"task_id": {"value": task}, "task": {"value": {"policy": {"initial_model": model}}}}
 
-    history = [{"_step": 0, "ppo/objective/score": 0.1, "ppo/ppo/policy/approxkl": 0.01, "ppo/objective/kl": None},
-               {"_step": 1, "ppo/objective/score": 0.5, "ppo/ppo/policy/approxkl": 0.02, "ppo/objective/kl": 0.3}]
-    api = FakeApi([FakeRun("seed-a", config("sentiment", "124M"), history),
-                   FakeRun("other-task", config("descriptiveness", "124M"), history),
-                   FakeRun("bigger", config("sentiment", "774M"), history)])
+    history = [
+        {"_step": 0, "ppo/objective/score": 0.1, "ppo/ppo/policy/approxkl": 0.01, "ppo/objective/kl": None},
+        {"_step": 1, "ppo/objective/score": 0.5, "ppo/ppo/policy/approxkl": 0.02, "ppo/objective/kl": 0.3},
+    ]
+    api = FakeApi(
+        [
+            FakeRun("seed-a", config("sentiment", "124M"), history),
+            FakeRun("other-task", config("descriptiveness", "124M"), history),
+            FakeRun("bigger", config("sentiment", "774M"), history),
+        ]
+    )
     out = tmp_path / "oai.csv"
     load_script("oai_baseline").main(["--task", "sentiment", "--out", str(out)], api=api)
     rows = load_script("learning_curves").read_long_csv(str(out), default_source="baseline")
     assert {r["seed"] for r in rows} == {"seed-a"}
     got = {(r["metric"], r["step"]): r["value"] for r in rows}
-    assert got == {("objective/scores", 0): 0.1, ("objective/scores", 1): 0.5, ("ppo/policy/approxkl", 0): 0.01,
-                   ("ppo/policy/approxkl", 1): 0.02, ("objective/kl", 1): 0.3}
+    assert got == {
+        ("objective/scores", 0): 0.1,
+        ("objective/scores", 1): 0.5,
+        ("ppo/policy/approxkl", 0): 0.01,
+        ("ppo/policy/approxkl", 1): 0.02,
+        ("objective/kl", 1): 0.3,
+    }
     with pytest.raises(SystemExit, match="no run"):
         load_script("oai_baseline").main(["--task", "tldr", "--out", str(out)], api=api)
 
@@ -216,12 +298,22 @@ def test_gpu_sh_writes_every_speed_table_of_ppo_speed_and_grpo_speed(tmp_path):
     environment with it, as .ci/run makes them."""
     trl_python, trl116_python = os.environ.get("LMHPD_TRL_PYTHON"), os.environ.get("LMHPD_TRL116_PYTHON")
     out = tmp_path / "out"
-    done = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu.sh")], capture_output=True, text=True,
-                          env=dict(os.environ, OUT=str(out), DEVICE="cpu", SMOKE="1", WHEELS=str(tmp_path / "no_wheels")))
+    done = subprocess.run(
+        ["bash", os.path.join(ROOT, "benchmarks", "gpu.sh")],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, OUT=str(out), DEVICE="cpu", SMOKE="1", WHEELS=str(tmp_path / "no_wheels")),
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == [
-        "gpu_sh.log", "grpo_speed", "grpo_speed/results.json", "grpo_speed/results.md",
-        "ppo_speed", "ppo_speed/results.json", "ppo_speed/results.md"]
+        "gpu_sh.log",
+        "grpo_speed",
+        "grpo_speed/results.json",
+        "grpo_speed/results.md",
+        "ppo_speed",
+        "ppo_speed/results.json",
+        "ppo_speed/results.md",
+    ]
     assert "gpu.sh done in" in (out / "gpu_sh.log").read_text()
 
     ppo = json.loads((out / "ppo_speed" / "results.json").read_text())
@@ -235,15 +327,24 @@ def test_gpu_sh_writes_every_speed_table_of_ppo_speed_and_grpo_speed(tmp_path):
     assert scaled["batch_size"] == 8 and scaled["response_length"] == 8 and scaled["ours"] > 0 and scaled["raw"] > 0
 
     grpo = json.loads((out / "grpo_speed" / "results.json").read_text())
-    assert set(grpo["runs"]) == {"pipeline", "pipeline, 2.5 steps ahead, requests of 4 problems", "sync G=4",
-                                 "raw compute (one process)"} | (
-        {"trl GRPOTrainer"} if trl116_python else set())
+    assert set(grpo["runs"]) == {
+        "pipeline",
+        "pipeline, 2.5 steps ahead, requests of 4 problems",
+        "sync G=4",
+        "raw compute (one process)",
+    } | ({"trl GRPOTrainer"} if trl116_python else set())
     for name, (run,) in grpo["runs"].items():
-        assert run["samples_per_s"] > 0 and ("tokens_per_s" not in run or 0 < run["tokens_per_s"] <= 4 * run["samples_per_s"]), name
+        assert run["samples_per_s"] > 0 and (
+            "tokens_per_s" not in run or 0 < run["tokens_per_s"] <= 4 * run["samples_per_s"]
+        ), name
     assert "tokens_per_s" in grpo["runs"]["pipeline"][0]
     assert grpo["runs"]["sync G=4"][0]["lag_mean"] == 1.5  # lags 0, 1, 2, 3 twice
     assert grpo["runs"]["sync G=4"][0]["lag_steady"] == 1.5  # after the first round
-    assert 0 < grpo["runs"]["pipeline, 2.5 steps ahead, requests of 4 problems"][0]["lag_mean"] < grpo["runs"]["pipeline"][0]["lag_mean"]
+    assert (
+        0
+        < grpo["runs"]["pipeline, 2.5 steps ahead, requests of 4 problems"][0]["lag_mean"]
+        < grpo["runs"]["pipeline"][0]["lag_mean"]
+    )
     for name in ("pipeline", "sync G=4"):
         run = grpo["runs"][name][0]
         assert 0 < run["cores_busy"] <= os.cpu_count() + 0.1 and run["cpu_ms_per_sample"] > 0, name
@@ -257,7 +358,13 @@ def test_gpu_sh_writes_every_speed_table_of_ppo_speed_and_grpo_speed(tmp_path):
     assert "| 16 | 3 |" in table and "At matched on-policyness" in table
     if trl116_python:
         assert grpo["runs"]["trl GRPOTrainer"][0]["lag_mean"] == 0 and "| trl GRPOTrainer |" in table
-    missing = [name for name, python in (("LMHPD_TRL_PYTHON", trl_python), ("LMHPD_TRL116_PYTHON", trl116_python)) if not python]
+    missing = [
+        name
+        for name, python in (("LMHPD_TRL_PYTHON", trl_python), ("LMHPD_TRL116_PYTHON", trl116_python))
+        if not python
+    ]
     if missing:
-        pytest.skip(f"{' and '.join(missing)} not set (python -m venv --system-site-packages .venv-trl && .venv-trl/bin/pip "
-                    "install --no-deps trl==1.12.0; the same with .venv-trl116 and trl==1.16.0): TRL's rows not compared")
+        pytest.skip(
+            f"{' and '.join(missing)} not set (python -m venv --system-site-packages .venv-trl && .venv-trl/bin/pip "
+            "install --no-deps trl==1.12.0; the same with .venv-trl116 and trl==1.16.0): TRL's rows not compared"
+        )

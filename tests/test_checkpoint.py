@@ -8,7 +8,9 @@ from lm_human_preference_details import checkpoint
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names the flushed files through Linux's /proc")
-def test_swap_in_flushes_the_new_checkpoint_before_the_renames_and_the_renames_before_it_deletes_the_old(tmp_path, monkeypatch):
+def test_swap_in_flushes_the_new_checkpoint_before_the_renames_and_the_renames_before_it_deletes_the_old(
+    tmp_path, monkeypatch
+):
     events = []
     real_fsync, real_rename = os.fsync, os.rename
 
@@ -34,7 +36,12 @@ def test_swap_in_flushes_the_new_checkpoint_before_the_renames_and_the_renames_b
     renames = [i for i, (kind, _) in enumerate(events) if kind == "rename"]
     assert [events[i][1] for i in renames] == [f"{final}.old", str(final)]
     flushed_first = {path for kind, path in events[: renames[0]] if kind == "fsync"}
-    assert flushed_first == {str(staging / "state.pt"), str(staging / "ranks" / "rng_0.pt"), str(staging), str(staging / "ranks")}
+    assert flushed_first == {
+        str(staging / "state.pt"),
+        str(staging / "ranks" / "rng_0.pt"),
+        str(staging),
+        str(staging / "ranks"),
+    }
     assert events[renames[-1] + 1 :] == [("fsync", str(tmp_path))]  # the folder that holds the renamed entries
     assert (final / "state.pt").read_text() == "new" and (final / "ranks" / "rng_0.pt").read_text() == "new rng"
     assert sorted(os.listdir(tmp_path)) == ["checkpoint"]
@@ -46,8 +53,14 @@ def test_a_process_on_a_gpu_saves_and_restores_the_random_state_of_its_own_gpu_o
     import torch
 
     calls = []
-    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: calls.append(("get", device)) or torch.tensor([7], dtype=torch.uint8))
-    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: calls.append(("set", device, state.tolist())))
+    monkeypatch.setattr(
+        torch.cuda,
+        "get_rng_state",
+        lambda device: calls.append(("get", device)) or torch.tensor([7], dtype=torch.uint8),
+    )
+    monkeypatch.setattr(
+        torch.cuda, "set_rng_state", lambda state, device: calls.append(("set", device, state.tolist()))
+    )
     monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: pytest.fail("every GPU's state saved"))
     gpu = torch.device("cuda", 1)
     state = checkpoint.rng_state(gpu)

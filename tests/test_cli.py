@@ -56,7 +56,9 @@ def test_a_finished_two_process_run_leaves_no_gloo_thread_to_the_interpreter_tea
     """gloo threads alive in the teardown can abort a finished run (SIGABRT) once in many runs; none may be left."""
     script = tmp_path / "ddp_step.py"
     script.write_text(DDP_STEP_THEN_LIST_THREADS)
-    result = subprocess.run([*accelerate_two_processes(), str(script), str(tmp_path)], capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [*accelerate_two_processes(), str(script), str(tmp_path)], capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-5000:]
     for rank in (0, 1):
         threads = json.loads((tmp_path / f"threads{rank}.json").read_text())
@@ -80,15 +82,20 @@ print(imported_for_it, transformers.utils.logging.get_verbosity(), transformers.
 @pytest.mark.parametrize("when", ["before", "after"])
 def test_quiet_transformers_works_before_and_after_transformers_is_imported_and_imports_nothing(when):
     env = {k: v for k, v in os.environ.items() if k not in ("TRANSFORMERS_VERBOSITY", "HF_HUB_DISABLE_PROGRESS_BARS")}
-    out = subprocess.run([sys.executable, "-c", QUIET_THEN_REPORT, when], capture_output=True, text=True, check=True, env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", QUIET_THEN_REPORT, when], capture_output=True, text=True, check=True, env=env
+    )
     assert out.stdout.split() == [str(when == "after"), str(logging.ERROR), "False"]
 
 
-@pytest.mark.parametrize("module, purpose, flag", [
-    ("quickstart", "The whole OAI pipeline in miniature", "--ppo.total-episodes"),
-    ("grpo.trainer", "The GRPO trainer: reads groups from the stream", "--sync-steps"),
-    ("grpo.actor", "The actor: keeps the inference servers busy", "--sync-steps"),
-])
+@pytest.mark.parametrize(
+    "module, purpose, flag",
+    [
+        ("quickstart", "The whole OAI pipeline in miniature", "--ppo.total-episodes"),
+        ("grpo.trainer", "The GRPO trainer: reads groups from the stream", "--sync-steps"),
+        ("grpo.actor", "The actor: keeps the inference servers busy", "--sync-steps"),
+    ],
+)
 def test_a_script_that_takes_another_stages_flags_describes_itself_in_help(monkeypatch, capsys, module, purpose, flag):
     """quickstart takes train_policy's flags and the GRPO roles the launcher's: --help still says what the script does."""
     import importlib

@@ -25,7 +25,10 @@ SPEC = dict(num_responses=K, query_length=Q, response_length=R, vocab_size=V, pa
 # ----------------------------------------------------------------------------- label files
 def make_labels(n=5, seed=0) -> Labels:
     g = torch.Generator().manual_seed(seed)
-    queries = [torch.randint(0, V, (int(length),), generator=g).tolist() for length in torch.randint(1, Q + 1, (n,), generator=g)]
+    queries = [
+        torch.randint(0, V, (int(length),), generator=g).tolist()
+        for length in torch.randint(1, Q + 1, (n,), generator=g)
+    ]
     samples = torch.randint(0, V, (n, K, R), generator=g)
     samples[0, 1, 2:] = PAD  # truncated responses carry pad ids
     return Labels(left_pad(queries, Q, PAD), samples, torch.randint(0, K, (n,), generator=g))
@@ -123,7 +126,13 @@ def test_record_not_an_object(label_file):
 
 @pytest.mark.parametrize(
     "text, words",
-    [("{not json", "not JSON"), ("[]", "non-empty"), ("{}", "non-empty"), ('{"query": [1]}', "JSON list"), ("", "not JSON")],
+    [
+        ("{not json", "not JSON"),
+        ("[]", "non-empty"),
+        ("{}", "non-empty"),
+        ('{"query": [1]}', "JSON list"),
+        ("", "not JSON"),
+    ],
 )
 def test_bad_file(text, words):
     with pytest.raises(LabelFileError, match=words) as info:
@@ -238,7 +247,10 @@ def test_sampler_rejects_multi_token_start_text(tokenizer):
 def test_query_settings_that_make_no_query_are_an_error_not_an_endless_search(tokenizer):
     # a query of one token that is a "!": no sentence of the corpus starts with one
     never = TaskHParams(base_model="tiny", query_dataset="chatterbot", query_length=1, start_text=None, end_text="!")
-    with pytest.raises(UserError, match=r"10000 documents in a row make no query with task.query_length=1, start_text=None, end_text='!'"):
+    with pytest.raises(
+        UserError,
+        match=r"10000 documents in a row make no query with task.query_length=1, start_text=None, end_text='!'",
+    ):
         next(QuerySampler(never, tokenizer, batch_size=B, seed=0))
 
 
@@ -260,8 +272,12 @@ def serve_folder(folder):
     import subprocess
     import sys
 
-    server = subprocess.Popen([sys.executable, "-u", "-m", "http.server", "0", "--bind", "127.0.0.1", "--directory", str(folder)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server = subprocess.Popen(
+        [sys.executable, "-u", "-m", "http.server", "0", "--bind", "127.0.0.1", "--directory", str(folder)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     return server, int(server.stdout.readline().split("port ")[1].split()[0])
 
 
@@ -271,7 +287,9 @@ def book_site(tmp_path, monkeypatch):
     the cache is empty."""
     from lm_human_preference_details import data
 
-    passages = [f"Chapter {i}. The rain fell on {i} roofs. She said nothing, and left." for i in range(40)] + ["no full stop"]
+    passages = [f"Chapter {i}. The rain fell on {i} roofs. She said nothing, and left." for i in range(40)] + [
+        "no full stop"
+    ]
     site = tmp_path / "site"
     site.mkdir()
     (site / "train.jsonl").write_text("".join(json.dumps(p) + "\n" for p in passages))
@@ -293,10 +311,14 @@ def test_tldr_posts_are_oais_cleaned_the_way_oai_cleans_them_in_oais_order(tmp_p
 
     from lm_human_preference_details import data
 
-    contents = [f"  My landlord won\u00e2\u20ac\u2122t fix the heater #{i}.\n\n\n\nWhat should I do?\n" for i in range(30)]
+    contents = [
+        f"  My landlord won\u00e2\u20ac\u2122t fix the heater #{i}.\n\n\n\nWhat should I do?\n" for i in range(30)
+    ]
     site = tmp_path / "site"
     site.mkdir()
-    (site / "train-subset.json").write_text(json.dumps([{"id": str(i), "subreddit": "advice", "content": c} for i, c in enumerate(contents)]))
+    (site / "train-subset.json").write_text(
+        json.dumps([{"id": str(i), "subreddit": "advice", "content": c} for i, c in enumerate(contents)])
+    )
     server, port = serve_folder(site)
     monkeypatch.setattr(data, "TLDR_URL", f"http://127.0.0.1:{port}/{{mode}}-subset.json")
     monkeypatch.setenv("LMHPD_CACHE", str(tmp_path / "cache"))
@@ -306,7 +328,9 @@ def test_tldr_posts_are_oais_cleaned_the_way_oai_cleans_them_in_oais_order(tmp_p
     finally:
         server.terminate()
         server.wait(timeout=10)
-    assert two_epochs[0].startswith("My landlord won't fix the heater #") and two_epochs[0].endswith(".\n\nWhat should I do?")
+    assert two_epochs[0].startswith("My landlord won't fix the heater #") and two_epochs[0].endswith(
+        ".\n\nWhat should I do?"
+    )
     state = random.getstate()
     try:  # OAI's tldr_generator as it is written
         random.seed(0)
@@ -319,7 +343,9 @@ def test_tldr_posts_are_oais_cleaned_the_way_oai_cleans_them_in_oais_order(tmp_p
     assert two_epochs == oai_order + oai_order
     assert data.tldr_posts("train") == contents  # from the cache (the server is gone), cleaned as they are read
 
-    (tmp_path / "cache" / "tldr" / "train-subset.json").write_text(json.dumps([{"content": "a post"}, {"title": "no content"}]))
+    (tmp_path / "cache" / "tldr" / "train-subset.json").write_text(
+        json.dumps([{"content": "a post"}, {"title": "no content"}])
+    )
     with pytest.raises(UserError, match=r"train-subset.json: post 1: expected an object with a string `content`"):
         data.tldr_posts("train")
 
@@ -329,12 +355,23 @@ def test_the_tldr_preset_is_oais_summarization_task():
 
     policy, reward = train_policy.defaults_for_task("tldr"), train_reward.defaults_for_task("tldr")
     task = policy.task
-    assert (task.query_dataset, task.query_length, task.query_suffix, task.start_text, task.end_text) == ("tldr", 500, "\n\nTL;DR:", None, None)
+    assert (task.query_dataset, task.query_length, task.query_suffix, task.start_text, task.end_text) == (
+        "tldr",
+        500,
+        "\n\nTL;DR:",
+        None,
+        None,
+    )
     assert (task.response_length, task.truncate_token, task.truncate_after, task.temperature) == (75, 198, 55, 0.7)
     assert load_tokenizer("gpt2").encode("\n") == [198]
     assert (policy.ppo.lr, policy.ppo.batch_size, policy.ppo.whiten_rewards) == (2e-6, 32, False)
     assert (policy.rewards.kl_coef, policy.rewards.adaptive_kl) == (0.03, False)
-    assert (reward.batch_size, reward.lr, reward.rollout_batch_size, reward.labels.num_train) == (16, 2.5e-5, 128, 46_000)
+    assert (reward.batch_size, reward.lr, reward.rollout_batch_size, reward.labels.num_train) == (
+        16,
+        2.5e-5,
+        128,
+        46_000,
+    )
     assert reward.labels.source.endswith("/labels/tldr/online_45k.json") and reward.task == task
 
 
@@ -372,8 +409,11 @@ def test_books_that_cannot_be_downloaded_or_read_name_the_file_and_the_fix(book_
 
     passages, server, cached = book_site
     monkeypatch.setattr(data, "BOOK_PASSAGES_URL", data.BOOK_PASSAGES_URL.replace("{mode}", "missing-{mode}"))
-    with pytest.raises(UserError, match=r"task.query_dataset=books: cannot download http://127.0.0.1:\d+/missing-train.jsonl .*"
-                                        r"put that file at .*book_passages/train.jsonl, or use an offline corpus"):
+    with pytest.raises(
+        UserError,
+        match=r"task.query_dataset=books: cannot download http://127.0.0.1:\d+/missing-train.jsonl .*"
+        r"put that file at .*book_passages/train.jsonl, or use an offline corpus",
+    ):
         data.book_passages("train")
     assert not cached.exists() and list(cached.parent.iterdir()) == []  # no partial file left
 

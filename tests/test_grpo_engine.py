@@ -12,7 +12,14 @@ from lm_human_preference_details.assets import tiny_math_prompt
 from lm_human_preference_details.grpo.config import GRPOArgs, get_preset
 from lm_human_preference_details.grpo.engine import Engine, GenerationRequest, sample_tokens
 from lm_human_preference_details.grpo.server import load_for_inference
-from lm_human_preference_details.grpo.trainer import accumulate_gradients, batch_tensors, check_group, flatten_groups, pack, token_logprobs
+from lm_human_preference_details.grpo.trainer import (
+    accumulate_gradients,
+    batch_tensors,
+    check_group,
+    flatten_groups,
+    pack,
+    token_logprobs,
+)
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +42,14 @@ def test_a_temperature_that_would_turn_the_batch_into_nan_is_refused_before_it_i
         for temperature in (1e-50, 0.0, float("nan")):  # 1e-50 is 0 in float32: logits / 0
             with pytest.raises(ValueError, match=r"temperature .*: expected a finite number >= 0.0001"):
                 engine.submit(GenerationRequest(prompt, max_new_tokens=2, temperature=temperature))
-        assert len(engine.submit(GenerationRequest(prompt, max_new_tokens=2, temperature=1e-4)).result(timeout=60).token_ids) >= 1
+        assert (
+            len(
+                engine.submit(GenerationRequest(prompt, max_new_tokens=2, temperature=1e-4))
+                .result(timeout=60)
+                .token_ids
+            )
+            >= 1
+        )
     finally:
         engine.stop()
 
@@ -60,7 +74,9 @@ def test_logprobs_are_those_of_a_full_forward_pass(tiny_math, temperature):
 def assert_full_forward_logprobs(model, tokenizer, requests, futures):
     for request, future in zip(requests, futures):
         generation = future.result(timeout=60)
-        expected = full_forward_logprobs(model, request.prompt_ids, generation.token_ids, request.temperature, len(tokenizer))
+        expected = full_forward_logprobs(
+            model, request.prompt_ids, generation.token_ids, request.temperature, len(tokenizer)
+        )
         torch.testing.assert_close(torch.tensor(generation.logprobs), expected, atol=2e-5, rtol=0)
 
 
@@ -134,13 +150,17 @@ def test_finished_slots_are_refilled_and_stop_tokens_end_sequences(tiny_math):
         prompt = tokenizer(tiny_math_prompt(1, 2))["input_ids"]
         lengths = [2, 9, 3, 7, 4, 8, 5, 6, 2, 9, 3, 7, 4, 8, 5, 6]
         # queued at once (submitted one by one, the engine could start on part of them)
-        generations = [f.result(timeout=60) for f in engine.submit_many([GenerationRequest(prompt, n) for n in lengths])]
+        generations = [
+            f.result(timeout=60) for f in engine.submit_many([GenerationRequest(prompt, n) for n in lengths])
+        ]
         assert [len(g.token_ids) for g in generations] == lengths
         # without refilling, each wave of 4 would decode for its longest member: mean occupancy about 2.6
         assert engine.stats["decode_rows"] / engine.stats["decode_steps"] > 3.3
         assert engine.load() == {"active": 0, "queued": 0}
 
-        stopped = engine.submit(GenerationRequest(prompt, 30, stop_token_ids=frozenset([tokenizer.eos_token_id]))).result(timeout=60)
+        stopped = engine.submit(
+            GenerationRequest(prompt, 30, stop_token_ids=frozenset([tokenizer.eos_token_id]))
+        ).result(timeout=60)
         assert stopped.finish_reason == "stop" and stopped.token_ids[-1] == tokenizer.eos_token_id
         assert tokenizer.eos_token_id not in stopped.token_ids[:-1]
     finally:
@@ -200,8 +220,10 @@ def test_rows_of_different_temperatures_keep_theirs_when_rows_move(tiny_math):
     engine = Engine(model, max_batch_size=3, seed=4, vocab_size=len(tokenizer)).start()
     try:
         prompts = [tokenizer(tiny_math_prompt(a, 3))["input_ids"] for a in range(4)]
-        requests = [GenerationRequest(prompts[i % 4], max_new_tokens=(3, 9, 5, 12)[i % 4], temperature=(0.6, 1.4)[i % 2])
-                    for i in range(10)]
+        requests = [
+            GenerationRequest(prompts[i % 4], max_new_tokens=(3, 9, 5, 12)[i % 4], temperature=(0.6, 1.4)[i % 2])
+            for i in range(10)
+        ]
         assert_full_forward_logprobs(model, tokenizer, requests, engine.submit_many(requests))
     finally:
         engine.stop()
@@ -257,22 +279,34 @@ def sampled_groups(tiny_math, prompts: list[str], max_tokens: list[int], attempt
     engine = Engine(model, max_batch_size=8, seed=3, vocab_size=len(tokenizer)).start()
     try:
         prompt_ids = [tokenizer(p)["input_ids"] for p in prompts]
-        requests = [GenerationRequest(p, max_new_tokens=n, temperature=0.8, stop_token_ids=frozenset([tokenizer.eos_token_id]))
-                    for p, n in zip(prompt_ids, max_tokens)]
+        requests = [
+            GenerationRequest(p, max_new_tokens=n, temperature=0.8, stop_token_ids=frozenset([tokenizer.eos_token_id]))
+            for p, n in zip(prompt_ids, max_tokens)
+        ]
         futures = engine.submit_many([r for r in requests for _ in range(attempts)])
         generations = [f.result(timeout=60) for f in futures]
     finally:
         engine.stop()
-    return [{"prompt_ids": p, "problem_id": str(i), "attempts": [
-        {"completion_ids": g.token_ids, "logprobs": g.logprobs, "versions": g.versions}
-        for g in generations[i * attempts : (i + 1) * attempts]]} for i, p in enumerate(prompt_ids)]
+    return [
+        {
+            "prompt_ids": p,
+            "problem_id": str(i),
+            "attempts": [
+                {"completion_ids": g.token_ids, "logprobs": g.logprobs, "versions": g.versions}
+                for g in generations[i * attempts : (i + 1) * attempts]
+            ],
+        }
+        for i, p in enumerate(prompt_ids)
+    ]
 
 
 def test_trainer_logprobs_match_the_engine_on_policy(tiny_math):
     """The trainer's packed forward (each prompt once, its attempts right-padded after it) reproduces
     the server's sampling logprobs, so the importance ratio of on-policy tokens is 1."""
     model, tokenizer = tiny_math
-    groups = sampled_groups(tiny_math, ["1+2=\\boxed{", "33+4=\\boxed{", "0+0=\\boxed{", "9*9=\\boxed{"], [5, 11, 3, 8], attempts=3)
+    groups = sampled_groups(
+        tiny_math, ["1+2=\\boxed{", "33+4=\\boxed{", "0+0=\\boxed{", "9*9=\\boxed{"], [5, 11, 3, 8], attempts=3
+    )
     samples = flatten_groups(groups)
     micro_batches = pack(groups, token_budget=40)  # 4 prompts of 11-12 tokens + 12 completions do not fit
     attempts = sorted((i, j) for mb in micro_batches for i, first, end in mb for j in range(first, end))
@@ -283,7 +317,9 @@ def test_trainer_logprobs_match_the_engine_on_policy(tiny_math):
             new, _ = token_logprobs(model, batch, 0.8, len(tokenizer))
         mask = batch["mask"].bool()
         rows = batch["rows"].tolist()
-        assert [samples[r]["completion_ids"] for r in rows] == [row[m].tolist() for row, m in zip(batch["completion_ids"], mask)]
+        assert [samples[r]["completion_ids"] for r in rows] == [
+            row[m].tolist() for row, m in zip(batch["completion_ids"], mask)
+        ]
         torch.testing.assert_close(new[mask], batch["behaviour"][mask], atol=2e-5, rtol=0)
 
 
@@ -294,7 +330,9 @@ def test_shared_prompt_forward_has_the_gradient_of_one_forward_per_sample(tiny_m
     groups = sampled_groups(tiny_math, ["1+2=\\boxed{", "33+44=\\boxed{"], [6, 9], attempts=4)
     model, tokenizer = copy.deepcopy(tiny_math[0]).double(), tiny_math[1]
     samples = flatten_groups(groups)
-    weights = torch.randn(len(samples), generator=torch.Generator().manual_seed(0), dtype=torch.float64)  # each sample weighs differently
+    weights = torch.randn(
+        len(samples), generator=torch.Generator().manual_seed(0), dtype=torch.float64
+    )  # each sample weighs differently
 
     def gradients(loss):
         model.zero_grad()
@@ -357,8 +395,15 @@ def test_pack_fills_the_token_budget_and_splits_only_groups_over_it():
     assert sorted(part for b in batches for part in b) == [(i, 0, 2) for i in range(5)]  # no group split
     assert all(tokens(b) <= 30 for b in batches) and len(batches) == 3
     groups = [group(10, [8, 8, 8, 8, 8]), group(2, [2])]
-    assert pack(groups, token_budget=30) == [[(0, 0, 2)], [(0, 2, 4)], [(0, 4, 5)], [(1, 0, 1)]]  # 2 x (10 + 8 x 2) > 30
-    assert pack(groups, token_budget=12) == [[(0, i, i + 1)] for i in range(5)] + [[(1, 0, 1)]]  # over it alone: one attempt
+    assert pack(groups, token_budget=30) == [
+        [(0, 0, 2)],
+        [(0, 2, 4)],
+        [(0, 4, 5)],
+        [(1, 0, 1)],
+    ]  # 2 x (10 + 8 x 2) > 30
+    assert pack(groups, token_budget=12) == [[(0, i, i + 1)] for i in range(5)] + [
+        [(1, 0, 1)]
+    ]  # over it alone: one attempt
 
 
 def test_grpo_args_check_names_the_field():
@@ -368,14 +413,21 @@ def test_grpo_args_check_names_the_field():
         GRPOArgs(batch_size=60, group_size=8).check()
     with pytest.raises(UserError, match="--steps-ahead must be >= 1"):
         GRPOArgs(steps_ahead=0).check()
-    with pytest.raises(UserError, match="--steps-ahead 2.5 starts 20 problems ahead, which requests of 8 problems cannot split "
-                                        r"\(it would act as 2\): pass a --problems-per-request that divides both 8 and 20"):
+    with pytest.raises(
+        UserError,
+        match="--steps-ahead 2.5 starts 20 problems ahead, which requests of 8 problems cannot split "
+        r"\(it would act as 2\): pass a --problems-per-request that divides both 8 and 20",
+    ):
         GRPOArgs(batch_size=64, group_size=8, steps_ahead=2.5, problems_per_request=0).check()
-    with pytest.raises(UserError, match="--steps-ahead 2.3 is 18.4 problems ahead, not a whole number: pass a multiple of 1/8"):
+    with pytest.raises(
+        UserError, match="--steps-ahead 2.3 is 18.4 problems ahead, not a whole number: pass a multiple of 1/8"
+    ):
         GRPOArgs(batch_size=64, group_size=8, steps_ahead=2.3).check()
     GRPOArgs(batch_size=64, group_size=8, steps_ahead=2.5, problems_per_request=4).check()
     GRPOArgs(mode="sync", batch_size=64, group_size=8, steps_ahead=2.5, problems_per_request=0).check()  # sync: unused
-    assert GRPOArgs(batch_size=24, group_size=8, steps_ahead=7 / 3, problems_per_request=1).problems_ahead() == 7  # 7.000000000000001
+    assert (
+        GRPOArgs(batch_size=24, group_size=8, steps_ahead=7 / 3, problems_per_request=1).problems_ahead() == 7
+    )  # 7.000000000000001
     with pytest.raises(UserError, match="--steps-ahead nan is nan problems ahead"):
         GRPOArgs(steps_ahead=float("nan")).check()
     with pytest.raises(UserError, match="--problems-per-request 3 must divide the 8 problems of an optimizer step"):
@@ -389,19 +441,32 @@ def test_grpo_args_check_names_the_field():
     one_request_per_step.check()  # 0 fits every batch size: all of a step's problems
     assert one_request_per_step.request_problems() == 2 and GRPOArgs(problems_per_request=4).request_problems() == 4
     assert get_preset("tiny").problems_per_request == 0  # the preset: one request per optimizer step
-    with pytest.raises(UserError, match="--problems-per-request 0: 1024 samples in one request .* divides the 128 problems "
-                                        "of a step into requests of at most 64"):  # a server takes at most 512 (MAX_CHOICES)
+    with pytest.raises(
+        UserError,
+        match="--problems-per-request 0: 1024 samples in one request .* divides the 128 problems "
+        "of a step into requests of at most 64",
+    ):  # a server takes at most 512 (MAX_CHOICES)
         GRPOArgs(batch_size=1024, group_size=8, problems_per_request=0).check()
     GRPOArgs(batch_size=1024, group_size=8, problems_per_request=64).check()
     GRPOArgs(batch_size=1024, group_size=8, problems_per_request=0, chat=True).check()  # chat: one request per problem
     if not torch.cuda.is_available():
-        with pytest.raises(UserError, match="--weight-backend nccl sends GPU tensors and no GPU is visible; use --weight-backend gloo"):
+        with pytest.raises(
+            UserError, match="--weight-backend nccl sends GPU tensors and no GPU is visible; use --weight-backend gloo"
+        ):
             GRPOArgs(weight_backend="nccl").check_weight_backend()
 
 
-@pytest.mark.parametrize("mode, lookahead, version, last_allowed", [
-    ("pipeline", 2, 0, 15), ("pipeline", 2.5, 0, 19), ("pipeline", 2.5, 3, 43),
-    ("sync", 2.5, 4, 8 * 8 - 1), ("sync", 2.5, 0, 4 * 8 - 1), ("sync", 2.5, 3, 4 * 8 - 1)])  # 3: resumed mid-round
+@pytest.mark.parametrize(
+    "mode, lookahead, version, last_allowed",
+    [
+        ("pipeline", 2, 0, 15),
+        ("pipeline", 2.5, 0, 19),
+        ("pipeline", 2.5, 3, 43),
+        ("sync", 2.5, 4, 8 * 8 - 1),
+        ("sync", 2.5, 0, 4 * 8 - 1),
+        ("sync", 2.5, 3, 4 * 8 - 1),
+    ],
+)  # 3: resumed mid-round
 def test_the_actor_starts_groups_up_to_its_lookahead_beyond_the_servers_weights(mode, lookahead, version, last_allowed):
     from lm_human_preference_details.grpo.actor import Actor
 
@@ -411,8 +476,10 @@ def test_the_actor_starts_groups_up_to_its_lookahead_beyond_the_servers_weights(
     assert actor.may_start(last_allowed) and not actor.may_start(last_allowed + 1)
 
 
-@pytest.mark.parametrize("mode, behind, usable", [("pipeline", 2, True), ("pipeline", 3, False), ("sync", 0, True), ("sync", 1, False),
-                                                   ("sync", 4, False)])
+@pytest.mark.parametrize(
+    "mode, behind, usable",
+    [("pipeline", 2, True), ("pipeline", 3, False), ("sync", 0, True), ("sync", 1, False), ("sync", 4, False)],
+)
 def test_a_server_behind_the_newest_weights_gets_requests_only_within_the_lookahead(mode, behind, usable):
     """`sync`: a round's samples all come from the weights it began with, so a server still receiving them
     (or one that failed to) gets none of the round's requests; `pipeline`: up to `steps_ahead` behind."""
@@ -431,7 +498,9 @@ def test_the_actor_fails_when_no_server_has_been_usable_for_the_request_timeout(
 
     from lm_human_preference_details.grpo.actor import Actor, ActorError
 
-    actor = Actor(GRPOArgs(mode="sync", request_timeout_s=0.5), ["http://127.0.0.1:1", "http://127.0.0.1:2"], problems=[])
+    actor = Actor(
+        GRPOArgs(mode="sync", request_timeout_s=0.5), ["http://127.0.0.1:1", "http://127.0.0.1:2"], problems=[]
+    )
     actor.servers[0].down_until = time.monotonic() + 3600  # down
     actor.servers[0].version, actor.servers[1].version = 8, 4  # 1 is a round behind 0's weights
 
@@ -440,8 +509,11 @@ def test_the_actor_fails_when_no_server_has_been_usable_for_the_request_timeout(
         return await actor._acquire_server()
 
     start = time.monotonic()
-    with pytest.raises(ActorError, match=r"no server has been usable for 0.5 s \(--request-timeout-s\): http://127.0.0.1:1 at "
-                                         r"version 8, http://127.0.0.1:2 at version 4, the newest weights are version 8"):
+    with pytest.raises(
+        ActorError,
+        match=r"no server has been usable for 0.5 s \(--request-timeout-s\): http://127.0.0.1:1 at "
+        r"version 8, http://127.0.0.1:2 at version 4, the newest weights are version 8",
+    ):
         asyncio.run(acquire())
     assert time.monotonic() - start < 5
     actor.servers[1].version = 8  # caught up: it is used
@@ -451,8 +523,15 @@ def test_the_actor_fails_when_no_server_has_been_usable_for_the_request_timeout(
 def test_shared_prompt_forward_refuses_sliding_window_layers():
     from transformers import MistralConfig, MistralForCausalLM
 
-    config = MistralConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                           num_key_value_heads=1, sliding_window=4)
+    config = MistralConfig(
+        vocab_size=16,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        sliding_window=4,
+    )
     group = {"prompt_ids": [1, 2, 3, 4, 5, 6], "attempts": [{"completion_ids": [7, 8], "logprobs": [0.0, 0.0]}] * 2}
     batch = batch_tensors([group], [(0, 0, 2)], "cpu")
     with pytest.raises(NotImplementedError, match="sliding-window"):

@@ -20,7 +20,13 @@ from lm_human_preference_details.assets import tiny_math_prompt
 from lm_human_preference_details.grpo.client import request_json
 from lm_human_preference_details.tracking import read_metrics
 
-LAUNCH = [sys.executable, "-m", "lm_human_preference_details.grpo.launch", "--wandb-mode", "disabled"]  # --task tiny is the default
+LAUNCH = [
+    sys.executable,
+    "-m",
+    "lm_human_preference_details.grpo.launch",
+    "--wandb-mode",
+    "disabled",
+]  # --task tiny is the default
 
 
 def command_line(pid: int) -> str:
@@ -92,7 +98,9 @@ class Launched:
         self.output_dir = str(output_dir)
         self.log_path = os.path.join(self.output_dir + ".log")
         self.log = open(self.log_path, "wb")
-        self.process = subprocess.Popen(LAUNCH + ["--output-dir", self.output_dir, *flags], stdout=self.log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(
+            LAUNCH + ["--output-dir", self.output_dir, *flags], stdout=self.log, stderr=subprocess.STDOUT
+        )
         self.seen: dict[int, str] = {}
         Launched.started.append(self)
 
@@ -163,8 +171,19 @@ def test_both_schedules_learn_and_leave_no_process_behind(tmp_path, mode):
     assert run.finish() == 0, run.output()
     rows = metrics(run.output_dir)
     assert [r["step"] for r in rows] == list(range(1, 101))
-    for key in ("reward/mean", "success/rate", "lag/mean", "lag/min", "lag/max", "samples_per_s", "tokens_per_s",
-                "entropy", "ess", "time/wait_data_s", "ratio/mean"):
+    for key in (
+        "reward/mean",
+        "success/rate",
+        "lag/mean",
+        "lag/min",
+        "lag/max",
+        "samples_per_s",
+        "tokens_per_s",
+        "entropy",
+        "ess",
+        "time/wait_data_s",
+        "ratio/mean",
+    ):
         assert key in rows[0], key
     first, last = success_rise(rows)
     assert last > first + 0.1, (first, last)
@@ -231,7 +250,9 @@ def test_a_sync_run_resumed_mid_round_finishes_that_round_then_keeps_its_rounds(
     9-12 and 13-16 each on the weights their round began with (it used to wait forever at step 10)."""
     first = Launched(tmp_path / "run", "--mode", "sync", "--sync-steps", "4", "--steps", "6", "--save-interval", "3")
     assert first.finish() == 0, first.output()
-    resumed = Launched(tmp_path / "run", "--mode", "sync", "--sync-steps", "4", "--steps", "16", "--save-interval", "3", "--resume")
+    resumed = Launched(
+        tmp_path / "run", "--mode", "sync", "--sync-steps", "4", "--steps", "16", "--save-interval", "3", "--resume"
+    )
     assert resumed.finish(timeout_s=120) == 0, resumed.output()
     steps = metrics(resumed.output_dir)
     assert [r["step"] for r in steps] == list(range(1, 17))
@@ -239,9 +260,28 @@ def test_a_sync_run_resumed_mid_round_finishes_that_round_then_keeps_its_rounds(
     assert [(r["lag/min"], r["lag/max"]) for r in steps[6:]] == [(i, i) for i in (0, 1, 0, 1, 2, 3, 0, 1, 2, 3)]
     assert resumed.leftovers() == []
     # other settings than the checkpoint's: its stream position counts groups of 8 problems, not of 4
-    result = subprocess.run(LAUNCH + ["--output-dir", str(tmp_path / "run"), "--mode", "sync", "--sync-steps", "4", "--steps", "20",
-                                      "--batch-size", "32", "--resume"], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and "was saved with other settings (batch_size: 64 then, 32 now)" in result.stderr, result.stderr
+    result = subprocess.run(
+        LAUNCH
+        + [
+            "--output-dir",
+            str(tmp_path / "run"),
+            "--mode",
+            "sync",
+            "--sync-steps",
+            "4",
+            "--steps",
+            "20",
+            "--batch-size",
+            "32",
+            "--resume",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2 and "was saved with other settings (batch_size: 64 then, 32 now)" in result.stderr, (
+        result.stderr
+    )
 
 
 @pytest.mark.slow
@@ -257,7 +297,10 @@ def test_the_stream_can_be_a_redis_stream_and_the_weights_go_one_broadcast_per_t
     entries = client.xrange(url.split("stream=")[1])
     assert len(entries) >= 10 * 8  # 8 groups per step
     record = json.loads(entries[0][1][b"json"])
-    assert len(record["attempts"]) == 8 and {"completion_ids", "logprobs", "versions", "reward"} <= record["attempts"][0].keys()
+    assert (
+        len(record["attempts"]) == 8
+        and {"completion_ids", "logprobs", "versions", "reward"} <= record["attempts"][0].keys()
+    )
     assert record["temperature"] == 1.0  # of the behaviour logprobs, checked by the trainer
     assert not os.path.exists(tmp_path / "run" / "stream.jsonl")
 
@@ -265,8 +308,24 @@ def test_the_stream_can_be_a_redis_stream_and_the_weights_go_one_broadcast_per_t
 @pytest.mark.slow
 def test_ignore_eos_samples_every_completion_to_the_limit_and_sample_tables_come_every_interval(tmp_path):
     # in sync mode with one torch thread per process (grpo_speed's one-thread row), servers in bfloat16 (a GPU's)
-    run = Launched(tmp_path / "run", "--steps", "3", "--ignore-eos", "--max-tokens", "9", "--sample-interval", "2",
-                   "--mode", "sync", "--sync-steps", "3", "--threads", "1", "--server-dtype", "bfloat16")
+    run = Launched(
+        tmp_path / "run",
+        "--steps",
+        "3",
+        "--ignore-eos",
+        "--max-tokens",
+        "9",
+        "--sample-interval",
+        "2",
+        "--mode",
+        "sync",
+        "--sync-steps",
+        "3",
+        "--threads",
+        "1",
+        "--server-dtype",
+        "bfloat16",
+    )
     assert run.finish() == 0, run.output()
     (server,) = json.load(open(os.path.join(run.output_dir, "servers.json"))).values()
     assert server["dtype"] == "bfloat16" and server["weight_updates"] == 1
@@ -291,33 +350,58 @@ def test_chat_prompts_go_one_request_per_problem_through_the_chat_template(tmp_p
     assert len(records) == 4 * 8 and all(len(r["attempts"]) == 8 for r in records)
     a, b = records[0]["problem_id"].split("-")[1:]
     expected = AutoTokenizer.from_pretrained(model).apply_chat_template(
-        [{"role": "user", "content": tiny_math_prompt(int(a), int(b))}], add_generation_prompt=True, tokenize=True, return_dict=False)
+        [{"role": "user", "content": tiny_math_prompt(int(a), int(b))}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
     assert records[0]["prompt_ids"] == list(expected)
     with open(os.path.join(run.output_dir, "servers.json")) as f:
-        assert json.load(f).popitem()[1]["requests"] == 4 * 8  # one request per problem, whatever problems_per_request says
+        assert (
+            json.load(f).popitem()[1]["requests"] == 4 * 8
+        )  # one request per problem, whatever problems_per_request says
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--batch-size", "60"], "error: --batch-size 60 must be a multiple of --group-size 8"),
-    (["--task", "nope"], "error: --task 'nope' is unknown; choose one of tiny, arith"),
-    (["--resume"], "error: --resume: no checkpoint in"),
-    (["--resume", "--stream", "redis://127.0.0.1:1/0?stream=s&maxlen=100"],
-     "error: --stream redis://127.0.0.1:1/0?stream=s&maxlen=100: --resume finds the checkpoint's place in the stream by counting"),
-    (["--weight-backend", "nccl"], "error: --weight-backend nccl: the servers this launcher starts share the trainer's GPU"),
-    (["--threads", "-1"], "error: --threads must be >= 0, got -1"),
-    (["--num-problems", "-3"], "error: --num-problems must be >= 0, got -3"),
-    (["--loss-type", "ppo_clip", "--clip-eps-high", "0"], "error: --clip-eps-high must be > 0 (or None: --clip-eps), got 0.0"),
-    (["--stream", "redis://127.0.0.1:1/0?stream=s"], "error: cannot reach Redis at redis://127.0.0.1:1/0?stream=s"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--batch-size", "60"], "error: --batch-size 60 must be a multiple of --group-size 8"),
+        (["--task", "nope"], "error: --task 'nope' is unknown; choose one of tiny, arith"),
+        (["--resume"], "error: --resume: no checkpoint in"),
+        (
+            ["--resume", "--stream", "redis://127.0.0.1:1/0?stream=s&maxlen=100"],
+            "error: --stream redis://127.0.0.1:1/0?stream=s&maxlen=100: --resume finds the checkpoint's place in the stream by counting",
+        ),
+        (
+            ["--weight-backend", "nccl"],
+            "error: --weight-backend nccl: the servers this launcher starts share the trainer's GPU",
+        ),
+        (["--threads", "-1"], "error: --threads must be >= 0, got -1"),
+        (["--num-problems", "-3"], "error: --num-problems must be >= 0, got -3"),
+        (
+            ["--loss-type", "ppo_clip", "--clip-eps-high", "0"],
+            "error: --clip-eps-high must be > 0 (or None: --clip-eps), got 0.0",
+        ),
+        (["--stream", "redis://127.0.0.1:1/0?stream=s"], "error: cannot reach Redis at redis://127.0.0.1:1/0?stream=s"),
+    ],
+)
 def test_bad_arguments_are_one_line_errors(tmp_path, flags, message):
-    result = subprocess.run(LAUNCH + ["--output-dir", str(tmp_path / "run"), *flags], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        LAUNCH + ["--output-dir", str(tmp_path / "run"), *flags], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith(message), result.stderr
 
 
 def test_what_the_user_can_fix_ends_the_actor_with_one_line_not_a_traceback(tmp_path):
-    result = subprocess.run(LAUNCH + ["--output-dir", str(tmp_path / "run"), "--problems", str(tmp_path / "none.jsonl")],
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 1 and f"error: the actor: source='{tmp_path}/none.jsonl': no such file" in result.stderr, result.stderr
+    result = subprocess.run(
+        LAUNCH + ["--output-dir", str(tmp_path / "run"), "--problems", str(tmp_path / "none.jsonl")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (
+        result.returncode == 1 and f"error: the actor: source='{tmp_path}/none.jsonl': no such file" in result.stderr
+    ), result.stderr
     assert "Traceback" not in result.stderr
 
 
@@ -325,11 +409,20 @@ def test_what_the_user_can_fix_ends_the_actor_with_one_line_not_a_traceback(tmp_
 def test_an_actor_or_trainer_started_alone_refuses_to_resume(tmp_path, role):
     """Only the launcher restarts every process at the checkpoint (servers' weights and version, the stream, the
     actor's first group): one process resumed alone would mix a crashed run's samples into the new one."""
-    command = [sys.executable, "-m", f"lm_human_preference_details.grpo.{role}", "--output-dir", str(tmp_path / "run"),
-               "--servers", "http://127.0.0.1:1", "--resume"]
+    command = [
+        sys.executable,
+        "-m",
+        f"lm_human_preference_details.grpo.{role}",
+        "--output-dir",
+        str(tmp_path / "run"),
+        "--servers",
+        "http://127.0.0.1:1",
+        "--resume",
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith(
-        "error: --resume: resume a run through grpo.launch"), result.stderr
+        "error: --resume: resume a run through grpo.launch"
+    ), result.stderr
 
 
 def test_servers_started_elsewhere_must_serve_the_weights_the_run_starts_from(tmp_path):
@@ -339,15 +432,34 @@ def test_servers_started_elsewhere_must_serve_the_weights_the_run_starts_from(tm
     server = ServerProcess(["--model", "tiny-math", "--threads", "1", "--version", "3"], subprocess.DEVNULL)
     try:
         url = server.wait_until_serving()
-        result = subprocess.run(LAUNCH + ["--output-dir", str(tmp_path / "run"), "--servers", url], capture_output=True, text=True,
-                                timeout=120)
+        result = subprocess.run(
+            LAUNCH + ["--output-dir", str(tmp_path / "run"), "--servers", url],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith(
             f"error: --servers: {url} serves weights version 3, and this run starts at 0: restart it with "
-            "`python -m lm_human_preference_details.grpo.server --model tiny-math --version 0`"), result.stderr
+            "`python -m lm_human_preference_details.grpo.server --model tiny-math --version 0`"
+        ), result.stderr
         for role in ("trainer", "actor"):  # started alone, as on other hosts
-            result = subprocess.run([sys.executable, "-m", f"lm_human_preference_details.grpo.{role}", "--output-dir", str(tmp_path / role),
-                                     "--servers", url], capture_output=True, text=True, timeout=120)
-            assert result.returncode == 2 and f"error: --servers: {url} serves weights version 3" in result.stderr, result.stderr
+            result = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    f"lm_human_preference_details.grpo.{role}",
+                    "--output-dir",
+                    str(tmp_path / role),
+                    "--servers",
+                    url,
+                ],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert result.returncode == 2 and f"error: --servers: {url} serves weights version 3" in result.stderr, (
+                result.stderr
+            )
     finally:
         server.process.kill()
         server.process.wait()
@@ -358,20 +470,30 @@ def test_threads_default_to_the_cores_shared_by_the_processes_that_compute_at_on
 
     cores = len(os.sched_getaffinity(0))
     sync, pipeline = GRPOArgs(mode="sync", num_servers=2), GRPOArgs(mode="pipeline", num_servers=3)
-    assert sync.torch_threads("trainer") == cores and sync.torch_threads("server") == max(1, cores // 2)  # they take turns
+    assert sync.torch_threads("trainer") == cores and sync.torch_threads("server") == max(
+        1, cores // 2
+    )  # they take turns
     assert pipeline.torch_threads("trainer") == pipeline.torch_threads("server") == max(1, cores // 4)  # side by side
-    assert GRPOArgs(mode="pipeline", servers=["http://a:1", "http://b:1", "http://c:1"]).torch_threads("trainer") == max(1, cores // 4)
+    assert GRPOArgs(mode="pipeline", servers=["http://a:1", "http://b:1", "http://c:1"]).torch_threads(
+        "trainer"
+    ) == max(1, cores // 4)
     assert GRPOArgs(mode="sync", threads=3).torch_threads("server") == 3
 
 
 def test_the_launcher_and_the_client_import_no_model_code():
     """The launcher starts the servers only once it is imported, and the trainer and the actor import it
     first: neither it nor the contract's client side may pull in torch (seconds per process)."""
-    check = ("import sys; import lm_human_preference_details.grpo.{module}; "
-             "print(sorted(m for m in {heavy} if m in sys.modules))")
-    for module, heavy in (("launch", ["torch", "transformers", "math_verify", "aiohttp"]), ("client", ["torch", "transformers"])):
-        loaded = subprocess.run([sys.executable, "-c", check.format(module=module, heavy=heavy)], capture_output=True, text=True,
-                                check=True).stdout.strip()
+    check = (
+        "import sys; import lm_human_preference_details.grpo.{module}; "
+        "print(sorted(m for m in {heavy} if m in sys.modules))"
+    )
+    for module, heavy in (
+        ("launch", ["torch", "transformers", "math_verify", "aiohttp"]),
+        ("client", ["torch", "transformers"]),
+    ):
+        loaded = subprocess.run(
+            [sys.executable, "-c", check.format(module=module, heavy=heavy)], capture_output=True, text=True, check=True
+        ).stdout.strip()
         assert loaded == "[]", f"grpo.{module} imports {loaded}"
 
 
@@ -381,4 +503,6 @@ def test_the_grpo_optimizer_choices_are_the_optimizers_there_are():
     from lm_human_preference_details.grpo.config import GRPOArgs
     from lm_human_preference_details.optim import OptimizerName
 
-    assert get_args(get_type_hints(GRPOArgs)["optimizer"]) == get_args(OptimizerName)  # spelled out in config: no torch there
+    assert get_args(get_type_hints(GRPOArgs)["optimizer"]) == get_args(
+        OptimizerName
+    )  # spelled out in config: no torch there

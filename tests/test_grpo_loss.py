@@ -240,7 +240,9 @@ def test_ppo_clip_with_a_higher_upper_epsilon_lets_favourable_ratios_grow_furthe
     grads = {}
     for high in (None, 0.28):
         new = (behaviour + ratios.log()[:, None]).requires_grad_()
-        loss, stats = gl.policy_loss(new, behaviour, adv, torch.ones(2, 1), 2, loss_type="ppo_clip", clip_eps=0.2, clip_eps_high=high)
+        loss, stats = gl.policy_loss(
+            new, behaviour, adv, torch.ones(2, 1), 2, loss_type="ppo_clip", clip_eps=0.2, clip_eps_high=high
+        )
         loss.backward()
         grads[high] = (new.grad, stats["ratio/clipfrac"].item())
     torch.testing.assert_close(grads[None][0], t([[0.0], [0.0]]))  # both clipped in their favourable direction

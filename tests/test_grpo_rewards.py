@@ -10,7 +10,14 @@ import pytest
 
 from lm_human_preference_details.cli import UserError
 from lm_human_preference_details.grpo import rewards
-from lm_human_preference_details.grpo.rewards import BOXED_INSTRUCTION, Problem, arithmetic_problems, last_boxed, load_problems, math_reward
+from lm_human_preference_details.grpo.rewards import (
+    BOXED_INSTRUCTION,
+    Problem,
+    arithmetic_problems,
+    last_boxed,
+    load_problems,
+    math_reward,
+)
 
 
 # ----------------------------------------------------------------------------- last_boxed
@@ -32,7 +39,10 @@ def test_last_boxed_takes_the_last_box_with_nested_braces(text, expected):
     assert last_boxed(text) == expected
 
 
-@pytest.mark.parametrize("text", ["no box here", "", "\\boxed{1} then \\boxed{\\frac{1}{2}", "\\boxed{2", "\\boxed 5", "\\boxed{\\frac{1}{2}"])
+@pytest.mark.parametrize(
+    "text",
+    ["no box here", "", "\\boxed{1} then \\boxed{\\frac{1}{2}", "\\boxed{2", "\\boxed 5", "\\boxed{\\frac{1}{2}"],
+)
 def test_last_boxed_is_none_without_a_closed_last_box(text):
     assert last_boxed(text) is None
 
@@ -168,7 +178,10 @@ def orz_item(question, answer):
 
 
 def test_load_gsm8k_records(tmp_path):
-    records = [{"question": "How many?", "answer": "3 + 4 = <<3+4=7>>7\n#### 1,234"}, {"question": "Q2 ", "answer": "#### 5"}]
+    records = [
+        {"question": "How many?", "answer": "3 + 4 = <<3+4=7>>7\n#### 1,234"},
+        {"question": "Q2 ", "answer": "#### 5"},
+    ]
     problems = load_problems(write_json(tmp_path / "gsm.json", records))
     assert problems == [
         Problem(prompt="How many?" + BOXED_INSTRUCTION, answer="1234", id="gsm-0"),
@@ -194,7 +207,10 @@ def test_load_orz_records(tmp_path):
 def test_load_prompt_answer_records_as_is(tmp_path):
     records = [{"prompt": "Say 42 in a box.", "answer": 42, "id": "p0"}, {"prompt": "Say x.", "answer": "x"}]
     problems = load_problems(write_jsonl(tmp_path / "mine.jsonl", records))
-    assert problems == [Problem(prompt="Say 42 in a box.", answer="42", id="p0"), Problem(prompt="Say x.", answer="x", id="mine-1")]
+    assert problems == [
+        Problem(prompt="Say 42 in a box.", answer="42", id="p0"),
+        Problem(prompt="Say x.", answer="x", id="mine-1"),
+    ]
 
 
 def test_load_json_lines_in_a_json_file(tmp_path):
@@ -203,7 +219,9 @@ def test_load_json_lines_in_a_json_file(tmp_path):
     assert [p.answer for p in load_problems(path)] == ["1", "2"]
 
 
-@pytest.mark.parametrize("limit, expected", [(2, ["0", "1"]), (0, []), (None, ["0", "1", "2", "3", "4"]), (9, ["0", "1", "2", "3", "4"])])
+@pytest.mark.parametrize(
+    "limit, expected", [(2, ["0", "1"]), (0, []), (None, ["0", "1", "2", "3", "4"]), (9, ["0", "1", "2", "3", "4"])]
+)
 def test_load_problems_honours_limit(tmp_path, limit, expected):
     path = write_json(tmp_path / "p.json", [{"prompt": f"p{i}", "answer": str(i)} for i in range(5)])
     assert [p.answer for p in load_problems(path, limit=limit)] == expected
@@ -218,7 +236,10 @@ def test_load_problems_honours_limit(tmp_path, limit, expected):
         ({"problem": ["P"], "answer": "1"}, "record 1: field 'problem' must be a non-empty string"),
         ({"text": "P", "answer": "1"}, "record 1: no field 'question', 'problem' or 'prompt'"),
         ([{"from": "human", "value": "Q"}], "record 1: no field '[1].ground_truth.value'"),
-        ([{"from": "human", "value": "Q"}, {"from": "assistant", "value": "2"}], "record 1: no field '[1].ground_truth.value'"),
+        (
+            [{"from": "human", "value": "Q"}, {"from": "assistant", "value": "2"}],
+            "record 1: no field '[1].ground_truth.value'",
+        ),
         ([{"from": "human"}, {"ground_truth": {"value": "2"}}], "record 1: no field '[0].value'"),
         (7, "record 1: expected an object"),
     ],
@@ -238,7 +259,10 @@ def test_bad_files_are_user_errors(tmp_path):
         load_problems(write_json(tmp_path / "dict.json", {"data": [{"prompt": "p", "answer": "1"}]}))
 
 
-@pytest.mark.parametrize("source, message", [("gsm9k", "choose gsm8k or math500"), ("missing.jsonl", "no such file"), ("orz", "github.com/Open-Reasoner-Zero")])
+@pytest.mark.parametrize(
+    "source, message",
+    [("gsm9k", "choose gsm8k or math500"), ("missing.jsonl", "no such file"), ("orz", "github.com/Open-Reasoner-Zero")],
+)
 def test_unknown_source_names_the_choices(source, message):
     with pytest.raises(UserError, match=re.escape(message)):
         load_problems(source)
@@ -254,7 +278,9 @@ def test_hub_sources_read_the_hub_dataset(monkeypatch):
         return [{"question": "Q", "answer": "so\n#### 2,000"}, {"question": "R", "answer": "#### 3"}]
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
-    assert load_problems("gsm8k", split="train", limit=1) == [Problem(prompt="Q" + BOXED_INSTRUCTION, answer="2000", id="gsm8k-train-0")]
+    assert load_problems("gsm8k", split="train", limit=1) == [
+        Problem(prompt="Q" + BOXED_INSTRUCTION, answer="2000", id="gsm8k-train-0")
+    ]
     assert calls == [("openai/gsm8k", "main", "train")]
 
 
@@ -265,19 +291,37 @@ def test_hub_failures_are_user_errors(monkeypatch):
         raise ConnectionError("hub unreachable")
 
     monkeypatch.setattr(datasets, "load_dataset", offline)
-    with pytest.raises(UserError, match=r"source=math500: cannot load HuggingFaceH4/MATH-500 .*hub unreachable.*local \.json/\.jsonl"):
+    with pytest.raises(
+        UserError, match=r"source=math500: cannot load HuggingFaceH4/MATH-500 .*hub unreachable.*local \.json/\.jsonl"
+    ):
         load_problems("math500")
 
 
-@pytest.mark.parametrize("boxed, answer", [("7", "7"), ("007", "7"), ("-3", "-3"), ("-0", "0"), ("12", "21"), ("7", "-7"), (" 42 ", "42"),
-                                            ("+2", "2"), ("+0", "0"), ("+3", "2"), ("7", "+7")])
+@pytest.mark.parametrize(
+    "boxed, answer",
+    [
+        ("7", "7"),
+        ("007", "7"),
+        ("-3", "-3"),
+        ("-0", "0"),
+        ("12", "21"),
+        ("7", "-7"),
+        (" 42 ", "42"),
+        ("+2", "2"),
+        ("+0", "0"),
+        ("+3", "2"),
+        ("7", "+7"),
+    ],
+)
 def test_the_integer_shortcut_agrees_with_math_verify(boxed, answer):
     """integer_reward skips sympy for plain integers; it must say what math_verify says."""
     import math_verify
 
     from lm_human_preference_details.grpo.rewards import integer_reward
 
-    expected = float(math_verify.verify(math_verify.parse(f"\\boxed{{{answer}}}"), math_verify.parse(f"\\boxed{{{boxed}}}")))
+    expected = float(
+        math_verify.verify(math_verify.parse(f"\\boxed{{{answer}}}"), math_verify.parse(f"\\boxed{{{boxed}}}"))
+    )
     assert integer_reward(f"so \\boxed{{{boxed}}}", answer) == expected
     assert integer_reward("no box at all", answer) == 0.0
     assert integer_reward("\\boxed{\\frac{1}{2}}", "0.5") is None  # math_verify decides

@@ -14,8 +14,17 @@ import torch
 from conftest import save_tiny_math_with_chat_template
 
 from lm_human_preference_details.grpo.client import ServerError, ServerProcess, request_json
-from lm_human_preference_details.grpo.weights import ParameterSpec, WeightSender, buckets, digest, flatten, parameter_specs, unflatten
+from lm_human_preference_details.grpo.weights import (
+    ParameterSpec,
+    WeightSender,
+    buckets,
+    digest,
+    flatten,
+    parameter_specs,
+    unflatten,
+)
 from lm_human_preference_details.models import load_causal_lm
+
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
@@ -51,54 +60,78 @@ def test_completions_return_token_ids_logprobs_and_versions(server):
         assert 1 <= n <= 5 and len(choice["logprobs"]["token_logprobs"]) == n == len(choice["model_versions"])
         assert all(lp <= 0 for lp in choice["logprobs"]["token_logprobs"]) and set(choice["model_versions"]) == {0}
         assert choice["finish_reason"] in ("stop", "length")
-    by_ids = request_json("POST", f"{server}/v1/completions", {"prompt": reply["prompt_token_ids"], "max_tokens": 2, "ignore_eos": True})
+    by_ids = request_json(
+        "POST", f"{server}/v1/completions", {"prompt": reply["prompt_token_ids"], "max_tokens": 2, "ignore_eos": True}
+    )
     assert len(by_ids["choices"][0]["token_ids"]) == 2 and by_ids["choices"][0]["finish_reason"] == "length"
 
 
 def test_a_list_of_prompts_gets_n_choices_per_prompt_in_prompt_major_order(server, model_dir):
-    single = request_json("POST", f"{server}/v1/completions", {"prompt": "3+4=\\boxed{", "max_tokens": 1})["prompt_token_ids"]
-    reply = request_json("POST", f"{server}/v1/completions", {"prompt": ["1+", single], "max_tokens": 3, "n": 2, "ignore_eos": True})
+    single = request_json("POST", f"{server}/v1/completions", {"prompt": "3+4=\\boxed{", "max_tokens": 1})[
+        "prompt_token_ids"
+    ]
+    reply = request_json(
+        "POST", f"{server}/v1/completions", {"prompt": ["1+", single], "max_tokens": 3, "n": 2, "ignore_eos": True}
+    )
     assert reply["prompt_token_ids"][1] == single and len(reply["prompt_token_ids"][0]) == len("1+")
     assert reply["usage"]["prompt_tokens"] == len(single) + 2
-    assert [c["index"] for c in reply["choices"]] == [0, 1, 2, 3] and all(len(c["token_ids"]) == 3 for c in reply["choices"])
+    assert [c["index"] for c in reply["choices"]] == [0, 1, 2, 3] and all(
+        len(c["token_ids"]) == 3 for c in reply["choices"]
+    )
     # prompt-major: choices 0-1 were sampled after prompt 0, choices 2-3 after prompt 1 (their first logprob says which)
     model = load_causal_lm(model_dir)
-    assert request_json("GET", f"{server}/weights_digest")["digests"] == digest(model)  # the weights the server samples with
+    assert request_json("GET", f"{server}/weights_digest")["digests"] == digest(
+        model
+    )  # the weights the server samples with
     for i, prompt_ids in enumerate(reply["prompt_token_ids"]):
         with torch.no_grad():
             logprobs = torch.log_softmax(model(torch.tensor([prompt_ids])).logits[0, -1].float(), -1)
         for choice in reply["choices"][2 * i : 2 * i + 2]:
-            assert choice["logprobs"]["token_logprobs"][0] == pytest.approx(logprobs[choice["token_ids"][0]].item(), abs=1e-4)
+            assert choice["logprobs"]["token_logprobs"][0] == pytest.approx(
+                logprobs[choice["token_ids"][0]].item(), abs=1e-4
+            )
 
 
 def test_chat_completions_apply_the_chat_template(server):
-    reply = request_json("POST", f"{server}/v1/chat/completions",
-                         {"messages": [{"role": "user", "content": "2+2"}], "max_tokens": 4})
+    reply = request_json(
+        "POST", f"{server}/v1/chat/completions", {"messages": [{"role": "user", "content": "2+2"}], "max_tokens": 4}
+    )
     assert reply["object"] == "chat.completion"
-    assert reply["prompt_token_ids"] == request_json("POST", f"{server}/v1/completions", {"prompt": "2+2=", "max_tokens": 1})["prompt_token_ids"]
+    assert (
+        reply["prompt_token_ids"]
+        == request_json("POST", f"{server}/v1/completions", {"prompt": "2+2=", "max_tokens": 1})["prompt_token_ids"]
+    )
     choice = reply["choices"][0]
     assert choice["message"]["role"] == "assistant" and isinstance(choice["message"]["content"], str)
     assert len(choice["logprobs"]["content"]) == len(choice["token_ids"]) == len(choice["model_versions"])
 
 
-@pytest.mark.parametrize("path, body, status, reason", [
-    ("/v1/completions", b"{not json", 400, "not JSON"),
-    ("/v1/completions", b"[1, 2]", 400, "JSON object"),
-    ("/v1/completions", b'{"max_tokens": 3}', 400, "'prompt'"),
-    ("/v1/completions", b'{"prompt": "1+1=", "max_tokens": 0}', 400, "'max_tokens'"),
-    ("/v1/completions", b'{"prompt": "1+1=", "temperature": 0}', 400, "'temperature'"),
-    ("/v1/completions", b'{"prompt": "1+1=", "temperature": 1e-50}', 400, "'temperature'"),  # 0 in float32: NaN for the batch
-    ("/v1/completions", b'{"prompt": "1+1=", "n": 1000}', 400, "'n'"),
-    ("/v1/completions", b'{"prompt": [1, 99999]}', 400, "outside the vocabulary"),
-    ("/v1/completions", b'{"prompt": "1+1=", "max_tokens": 100000}', 400, "positions"),
-    ("/v1/completions", b'{"prompt": ["1+1=", ""]}', 400, "'prompt[1]'"),
-    ("/v1/completions", b'{"prompt": ["1+1=", [1, 99999]]}', 400, "prompt 1: prompt token ids"),
-    ("/v1/completions", b'{"prompt": ["1+1=", "2+2="], "n": 300}', 400, "2 prompts x n=300"),
-    ("/v1/chat/completions", b'{"messages": "hi"}', 400, "'messages'"),
-    ("/init_process_group", b'{"init_method": "file:///x", "rank": 1, "world_size": 2}', 400, "tcp://"),
-    ("/init_process_group", b'{"init_method": "tcp://127.0.0.1:1", "rank": 0, "world_size": 2}', 400, "'rank'"),
-    ("/request_weight_update", b'{"version": 1, "parameters": []}', 409, "init_process_group"),
-])
+@pytest.mark.parametrize(
+    "path, body, status, reason",
+    [
+        ("/v1/completions", b"{not json", 400, "not JSON"),
+        ("/v1/completions", b"[1, 2]", 400, "JSON object"),
+        ("/v1/completions", b'{"max_tokens": 3}', 400, "'prompt'"),
+        ("/v1/completions", b'{"prompt": "1+1=", "max_tokens": 0}', 400, "'max_tokens'"),
+        ("/v1/completions", b'{"prompt": "1+1=", "temperature": 0}', 400, "'temperature'"),
+        (
+            "/v1/completions",
+            b'{"prompt": "1+1=", "temperature": 1e-50}',
+            400,
+            "'temperature'",
+        ),  # 0 in float32: NaN for the batch
+        ("/v1/completions", b'{"prompt": "1+1=", "n": 1000}', 400, "'n'"),
+        ("/v1/completions", b'{"prompt": [1, 99999]}', 400, "outside the vocabulary"),
+        ("/v1/completions", b'{"prompt": "1+1=", "max_tokens": 100000}', 400, "positions"),
+        ("/v1/completions", b'{"prompt": ["1+1=", ""]}', 400, "'prompt[1]'"),
+        ("/v1/completions", b'{"prompt": ["1+1=", [1, 99999]]}', 400, "prompt 1: prompt token ids"),
+        ("/v1/completions", b'{"prompt": ["1+1=", "2+2="], "n": 300}', 400, "2 prompts x n=300"),
+        ("/v1/chat/completions", b'{"messages": "hi"}', 400, "'messages'"),
+        ("/init_process_group", b'{"init_method": "file:///x", "rank": 1, "world_size": 2}', 400, "tcp://"),
+        ("/init_process_group", b'{"init_method": "tcp://127.0.0.1:1", "rank": 0, "world_size": 2}', 400, "'rank'"),
+        ("/request_weight_update", b'{"version": 1, "parameters": []}', 409, "init_process_group"),
+    ],
+)
 def test_malformed_requests_get_a_4xx_with_the_reason_and_the_server_stays_up(server, path, body, status, reason):
     got_status, reply = post_raw(server + path, body)
     assert got_status == status and reason in reply["error"]
@@ -126,7 +159,10 @@ LONG = 240  # tokens: the tiny model has 256 positions
 def long_completions(server: str, count: int) -> list[dict]:
     body = {"prompt": "1+1=\\boxed{", "max_tokens": LONG, "ignore_eos": True}
     with concurrent.futures.ThreadPoolExecutor(count) as pool:
-        return [f.result()["choices"][0] for f in [pool.submit(request_json, "POST", f"{server}/v1/completions", body) for _ in range(count)]]
+        return [
+            f.result()["choices"][0]
+            for f in [pool.submit(request_json, "POST", f"{server}/v1/completions", body) for _ in range(count)]
+        ]
 
 
 def test_weight_update_is_bitwise_and_sequences_in_flight_span_two_versions(server, trainer_side):
@@ -151,7 +187,9 @@ def test_weight_update_is_bitwise_and_sequences_in_flight_span_two_versions(serv
         assert len(choice["token_ids"]) == LONG and choice["finish_reason"] == "length"  # none cut short by the update
         switch = versions.index(1) if 1 in versions else LONG
         assert 0 < switch and versions == [0] * switch + [1] * (LONG - switch)  # continued, not restarted
-    assert any(set(c["model_versions"]) == {0, 1} for c in choices)  # generation went on across the update (all four, in practice)
+    assert any(
+        set(c["model_versions"]) == {0, 1} for c in choices
+    )  # generation went on across the update (all four, in practice)
     while request_json("GET", f"{server}/health")["model_version"] != 1:
         time.sleep(0.01)
     served = request_json("GET", f"{server}/weights_digest")
@@ -161,8 +199,13 @@ def test_weight_update_is_bitwise_and_sequences_in_flight_span_two_versions(serv
 
 
 def test_buckets_group_consecutive_tensors_of_one_dtype_up_to_the_size():
-    specs = [ParameterSpec("a", (10,), "float32"), ParameterSpec("b", (2, 5), "float32"), ParameterSpec("c", (30,), "float32"),
-             ParameterSpec("d", (4,), "bfloat16"), ParameterSpec("e", (4,), "float32")]
+    specs = [
+        ParameterSpec("a", (10,), "float32"),
+        ParameterSpec("b", (2, 5), "float32"),
+        ParameterSpec("c", (30,), "float32"),
+        ParameterSpec("d", (4,), "bfloat16"),
+        ParameterSpec("e", (4,), "float32"),
+    ]
     assert buckets(specs, 0) == [[0], [1], [2], [3], [4]]  # one broadcast per tensor
     assert buckets(specs, 80) == [[0, 1], [2], [3], [4]]  # 40 + 40 bytes fit; c (120 bytes) goes alone
     assert buckets(specs, 1000) == [[0, 1, 2], [3], [4]]  # a dtype change starts a new bucket
@@ -203,13 +246,25 @@ def test_a_mismatched_update_is_refused_and_the_old_weights_keep_serving(server,
     wrong_dtype = [dict(s, dtype="bfloat16") if i == 1 else s for i, s in enumerate(specs)]
     renamed = specs[:-1] + [dict(specs[-1], name="lm_head.not_a_weight")]
     version = before["model_version"] + 1
-    for parameters, reason in [(wrong_shape, f"{specs[0]['name']}: shape"), (wrong_dtype, "dtype bfloat16"),
-                               (renamed, "unknown parameter lm_head.not_a_weight"), (specs[1:], f"missing parameter {specs[0]['name']}")]:
-        status, reply = post_raw(f"{server}/request_weight_update", json.dumps({"version": version, "parameters": parameters}).encode())
+    for parameters, reason in [
+        (wrong_shape, f"{specs[0]['name']}: shape"),
+        (wrong_dtype, "dtype bfloat16"),
+        (renamed, "unknown parameter lm_head.not_a_weight"),
+        (specs[1:], f"missing parameter {specs[0]['name']}"),
+    ]:
+        status, reply = post_raw(
+            f"{server}/request_weight_update", json.dumps({"version": version, "parameters": parameters}).encode()
+        )
         assert status == 400 and "refused" in reply["error"] and reason in reply["error"]
-    status, reply = post_raw(f"{server}/request_weight_update", json.dumps({"version": before["model_version"], "parameters": specs}).encode())
+    status, reply = post_raw(
+        f"{server}/request_weight_update",
+        json.dumps({"version": before["model_version"], "parameters": specs}).encode(),
+    )
     assert status == 400 and "'version'" in reply["error"]  # not newer than what serves
-    status, reply = post_raw(f"{server}/request_weight_update", json.dumps({"version": version, "parameters": specs, "bucket_bytes": -1}).encode())
+    status, reply = post_raw(
+        f"{server}/request_weight_update",
+        json.dumps({"version": version, "parameters": specs, "bucket_bytes": -1}).encode(),
+    )
     assert status == 400 and "'bucket_bytes'" in reply["error"]
     assert request_json("GET", f"{server}/weights_digest") == before
     reply = request_json("POST", f"{server}/v1/completions", {"prompt": "1+1=", "max_tokens": 3})
@@ -243,7 +298,10 @@ def test_a_refusal_by_one_server_still_updates_the_others_and_a_trainer_left_wit
     config.n_layer -= 1
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "one-layer-fewer")
     AutoTokenizer.from_pretrained(model_dir).save_pretrained(tmp_path / "one-layer-fewer")
-    servers = [ServerProcess(["--model", str(m), "--threads", "1"], subprocess.DEVNULL) for m in (model_dir, tmp_path / "one-layer-fewer")]
+    servers = [
+        ServerProcess(["--model", str(m), "--threads", "1"], subprocess.DEVNULL)
+        for m in (model_dir, tmp_path / "one-layer-fewer")
+    ]
     try:
         a, b = [server.wait_until_serving() for server in servers]
         sender, model = WeightSender([a, b], timeout_s=300), load_causal_lm(model_dir)
@@ -297,7 +355,9 @@ def test_health_long_polls_until_a_version_serves(server, trainer_side):
     model, sender = trainer_side
     version = request_json("GET", f"{server}/health")["model_version"]
     start = time.monotonic()
-    assert request_json("GET", f"{server}/health?wait_for_version={version + 1}&timeout_s=0.5")["model_version"] == version
+    assert (
+        request_json("GET", f"{server}/health?wait_for_version={version + 1}&timeout_s=0.5")["model_version"] == version
+    )
     assert 0.4 < time.monotonic() - start < 5  # held for the timeout: no newer weights
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         waiting = pool.submit(request_json, "GET", f"{server}/health?wait_for_version={version + 1}&timeout_s=30")
@@ -356,7 +416,9 @@ def test_the_wait_for_a_loading_server_ends_when_the_callers_check_raises(model_
     try:
         with pytest.raises(RoleDied):
             server.wait_until_serving(timeout_s=120, while_waiting=check)
-        assert server.process.poll() is None and looks[-1] - looks[0] < 5  # it was still loading: the check ended the wait
+        assert (
+            server.process.poll() is None and looks[-1] - looks[0] < 5
+        )  # it was still loading: the check ended the wait
     finally:
         server.process.kill()
         server.process.wait()
@@ -389,7 +451,9 @@ def test_a_bfloat16_server_gets_the_trainers_weights_rounded_to_bfloat16_bitwise
     import copy
 
     with open(tmp_path / "server.log", "wb") as log:
-        started = ServerProcess(["--model", model_dir, "--threads", "1", "--max-batch-size", "8", "--dtype", "bfloat16"], log)
+        started = ServerProcess(
+            ["--model", model_dir, "--threads", "1", "--max-batch-size", "8", "--dtype", "bfloat16"], log
+        )
     try:
         url = started.wait_until_serving()
         assert request_json("GET", f"{url}/health")["dtype"] == "bfloat16"
@@ -400,8 +464,12 @@ def test_a_bfloat16_server_gets_the_trainers_weights_rounded_to_bfloat16_bitwise
         sender = WeightSender([url])
         assert sender.push(model, 1, dtype=torch.bfloat16) == [] and sender.wait() == []
         request_json("GET", f"{url}/health?wait_for_version=1&timeout_s=30", timeout_s=40)
-        assert request_json("GET", f"{url}/weights_digest")["digests"] == digest(copy.deepcopy(model).to(torch.bfloat16))
-        choice = request_json("POST", f"{url}/v1/completions", {"prompt": "1+2=\\boxed{", "max_tokens": 4, "ignore_eos": True})["choices"][0]
+        assert request_json("GET", f"{url}/weights_digest")["digests"] == digest(
+            copy.deepcopy(model).to(torch.bfloat16)
+        )
+        choice = request_json(
+            "POST", f"{url}/v1/completions", {"prompt": "1+2=\\boxed{", "max_tokens": 4, "ignore_eos": True}
+        )["choices"][0]
         assert choice["model_versions"] == [1] * 4 and all(lp <= 0 for lp in choice["logprobs"]["token_logprobs"])
     finally:
         started.process.terminate()

@@ -71,7 +71,8 @@ def test_url_forms():
 
 
 @pytest.mark.parametrize(
-    "bad", ["http://host/x", "s3://bucket/key", "", "file://otherhost/x", "redis://h/0?maxlen=-1", "redis://h/0?strem=s"]
+    "bad",
+    ["http://host/x", "s3://bucket/key", "", "file://otherhost/x", "redis://h/0?maxlen=-1", "redis://h/0?strem=s"],
 )
 def test_bad_url_is_user_error_naming_the_forms(bad):
     with pytest.raises(UserError, match="file:///abs/path.jsonl, or redis://host:port/db"):
@@ -197,7 +198,9 @@ def test_redis_wire_is_one_json_field(redis_stream):
 def test_redis_maxlen_trims(redis_stream):
     write_all(redis_stream + "&maxlen=10", records(1000))
     with redis_client(redis_stream) as client:
-        assert 10 <= client.xlen(parse_stream_url(redis_stream).stream) < 1000  # approximate: Redis trims whole internal nodes
+        assert (
+            10 <= client.xlen(parse_stream_url(redis_stream).stream) < 1000
+        )  # approximate: Redis trims whole internal nodes
 
 
 def test_unreachable_redis_names_the_url_and_the_fix():

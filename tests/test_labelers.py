@@ -10,7 +10,14 @@ from lm_human_preference_details.labelers import BUILTIN, load_labeler, pick_bes
 
 
 def test_vader_prefers_positive():
-    scores = vader(["q", "q", "q"], ["I love this, it is wonderful and makes me happy!", "the table is brown", "I hate this. It is awful and terrible."])
+    scores = vader(
+        ["q", "q", "q"],
+        [
+            "I love this, it is wonderful and makes me happy!",
+            "the table is brown",
+            "I hate this. It is awful and terrible.",
+        ],
+    )
     assert len(scores) == 3
     positive, neutral, negative = scores
     assert positive > 0.5 and negative < -0.5 and positive > neutral > negative
@@ -36,7 +43,9 @@ def test_load_module_function_stdlib():
 
 
 def test_load_module_function_from_user_module(tmp_path, monkeypatch):
-    (tmp_path / "my_lmhpd_labeler.py").write_text("def length(queries, responses):\n    return [float(len(r)) for r in responses]\n")
+    (tmp_path / "my_lmhpd_labeler.py").write_text(
+        "def length(queries, responses):\n    return [float(len(r)) for r in responses]\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     labeler = load_labeler("my_lmhpd_labeler:length")
     assert labeler(["q", "q"], ["ab", "abcd"]) == [2.0, 4.0]

@@ -180,7 +180,9 @@ def test_value_head_starts_at_zero(pad_id):
 def test_reward_head_init():
     """N(0, 1/sqrt(d_model + 1)), bias 0, gain 1, bias 0 (# OAI: language/model.py#L254, rewards.py#L50-L51)."""
     d = 4096  # wide, so that the empirical std of the d weights is within ~1%
-    backbone = GPT2Model(GPT2Config(vocab_size=34, n_positions=8, n_embd=d, n_layer=0, n_head=4, bos_token_id=0, eos_token_id=0))
+    backbone = GPT2Model(
+        GPT2Config(vocab_size=34, n_positions=8, n_embd=d, n_layer=0, n_head=4, bos_token_id=0, eos_token_id=0)
+    )
     torch.manual_seed(0)
     model = RewardModel(backbone, base_model="wide")
     w = model.head.weight
@@ -195,7 +197,12 @@ def test_reward_head_init():
 
 # ----------------------------------------------------------------------------- reward normalization
 def test_set_reward_norm_maps_samples_to_standard_normal():
-    model = RewardModel(GPT2Model(GPT2Config(vocab_size=34, n_positions=8, n_embd=8, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0)), "x")
+    model = RewardModel(
+        GPT2Model(
+            GPT2Config(vocab_size=34, n_positions=8, n_embd=8, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0)
+        ),
+        "x",
+    )
     x = torch.randn(100_000, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 3.0 + 7.0
     model.set_reward_norm(x.mean().item(), x.std(unbiased=False).item())
     y = model.gain.double() * x + model.bias.double()
@@ -219,7 +226,12 @@ def test_set_reward_norm_through_forward(pad_id):
 
 
 def test_set_reward_norm_refuses_unless_reset():
-    model = RewardModel(GPT2Model(GPT2Config(vocab_size=34, n_positions=8, n_embd=8, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0)), "x")
+    model = RewardModel(
+        GPT2Model(
+            GPT2Config(vocab_size=34, n_positions=8, n_embd=8, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0)
+        ),
+        "x",
+    )
     with torch.no_grad():
         model.gain.fill_(2.0)
     with pytest.raises(RuntimeError, match="gain 1"):

@@ -55,7 +55,9 @@ def torch_trajectory(optimizer_cls, init, grad_fn, steps, dtype=torch.float32, *
 def random_gradients(seed, steps, scales=(1e-4, 1e-2, 1.0)):
     """Gradients fixed in advance, each tensor at its own scale (small ones are where eps matters)."""
     rng = np.random.default_rng(seed)
-    table = [[(rng.standard_normal(s) * scale).astype(np.float32) for s, scale in zip(SHAPES, scales)] for _ in range(steps)]
+    table = [
+        [(rng.standard_normal(s) * scale).astype(np.float32) for s, scale in zip(SHAPES, scales)] for _ in range(steps)
+    ]
     return lambda step, params: table[step]
 
 
@@ -105,8 +107,12 @@ def test_first_step_closed_form_and_torch_adam_differs():
     grad_fn = lambda step, params: [g]  # noqa: E731
     init = [np.zeros(4)]
     tf_step = tf_adam_trajectory(init, grad_fn, 1, dtype=np.float64)[0][0]
-    ours = torch_trajectory(AdamTensorFlowStyle, init, grad_fn, 1, dtype=torch.float64, lr=LR, betas=BETAS, eps=EPS)[0][0]
-    theirs = torch_trajectory(torch.optim.Adam, init, grad_fn, 1, dtype=torch.float64, lr=LR, betas=BETAS, eps=EPS)[0][0]
+    ours = torch_trajectory(AdamTensorFlowStyle, init, grad_fn, 1, dtype=torch.float64, lr=LR, betas=BETAS, eps=EPS)[0][
+        0
+    ]
+    theirs = torch_trajectory(torch.optim.Adam, init, grad_fn, 1, dtype=torch.float64, lr=LR, betas=BETAS, eps=EPS)[0][
+        0
+    ]
 
     # TF1: lr * sqrt(1 - b2) / (1 - b1) * m / (sqrt(v) + eps), m = (1 - b1) g, v = (1 - b2) g^2
     b1, b2 = BETAS
@@ -120,8 +126,12 @@ def test_first_step_closed_form_and_torch_adam_differs():
 
     # the gap closes once gradients dwarf eps: both take a step of about lr
     big = [np.full((4,), 1.0)]
-    ours_big = torch_trajectory(AdamTensorFlowStyle, init, lambda s, p: big, 1, dtype=torch.float64, lr=LR, eps=EPS)[0][0]
-    theirs_big = torch_trajectory(torch.optim.Adam, init, lambda s, p: big, 1, dtype=torch.float64, lr=LR, eps=EPS)[0][0]
+    ours_big = torch_trajectory(AdamTensorFlowStyle, init, lambda s, p: big, 1, dtype=torch.float64, lr=LR, eps=EPS)[0][
+        0
+    ]
+    theirs_big = torch_trajectory(torch.optim.Adam, init, lambda s, p: big, 1, dtype=torch.float64, lr=LR, eps=EPS)[0][
+        0
+    ]
     np.testing.assert_allclose(ours_big, theirs_big, rtol=1e-3)
 
 

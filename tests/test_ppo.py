@@ -299,10 +299,16 @@ def test_ratio_diagnostics_and_their_reduction_over_minibatches():
     torch.testing.assert_close(stats["policy/ratio_max"], torch.exp(torch.tensor(0.5)))
     torch.testing.assert_close(stats["policy/ratio_min"], torch.exp(torch.tensor(-1.0)))
     torch.testing.assert_close(stats["policy/ratio_mean"], diff.exp().mean())
-    reduced = ppo.reduce_minibatch_stats({"policy/ratio_max": [torch.tensor(1.2), torch.tensor(1.5)],
-                                          "policy/ratio_min": [torch.tensor(0.9), torch.tensor(0.7)],
-                                          "policy/approxkl": [torch.tensor(0.1), torch.tensor(0.3)]})
-    assert reduced["policy/ratio_max"].item() == pytest.approx(1.5) and reduced["policy/ratio_min"].item() == pytest.approx(0.7)
+    reduced = ppo.reduce_minibatch_stats(
+        {
+            "policy/ratio_max": [torch.tensor(1.2), torch.tensor(1.5)],
+            "policy/ratio_min": [torch.tensor(0.9), torch.tensor(0.7)],
+            "policy/approxkl": [torch.tensor(0.1), torch.tensor(0.3)],
+        }
+    )
+    assert reduced["policy/ratio_max"].item() == pytest.approx(1.5) and reduced[
+        "policy/ratio_min"
+    ].item() == pytest.approx(0.7)
     assert reduced["policy/approxkl"].item() == pytest.approx(0.2)  # OAI's mean for everything else
 
 
@@ -310,13 +316,29 @@ def test_micro_batch_stats_merge_into_the_stats_of_the_whole_minibatch():
     """Gradient accumulation splits a minibatch in 4: its merged stats are those of the minibatch in one piece
     (a mean of the parts' variances would leave out how the parts differ)."""
     generator = torch.Generator().manual_seed(0)
-    data = {name: torch.randn(8, 5, generator=generator) + shift
-            for name, shift in (("logprobs", -1.0), ("values", 0.0), ("old_logprobs", -1.0), ("old_values", 3.0), ("advantages", 0.0), ("returns", 1.0))}
+    data = {
+        name: torch.randn(8, 5, generator=generator) + shift
+        for name, shift in (
+            ("logprobs", -1.0),
+            ("values", 0.0),
+            ("old_logprobs", -1.0),
+            ("old_values", 3.0),
+            ("advantages", 0.0),
+            ("returns", 1.0),
+        )
+    }
     data["old_values"][4:] += 2.0  # parts that differ: their variances alone miss that
 
     def stats_of(rows):
-        _, stats = ppo.ppo_loss(*(data[name][rows] for name in ("logprobs", "values", "old_logprobs", "old_values", "advantages", "returns")),
-                                cliprange=0.2, cliprange_value=0.2, vf_coef=0.1)
+        _, stats = ppo.ppo_loss(
+            *(
+                data[name][rows]
+                for name in ("logprobs", "values", "old_logprobs", "old_values", "advantages", "returns")
+            ),
+            cliprange=0.2,
+            cliprange_value=0.2,
+            vf_coef=0.1,
+        )
         return {**stats, **ppo.ratio_diagnostics(data["logprobs"][rows], data["old_logprobs"][rows])}
 
     whole = stats_of(slice(0, 8))

@@ -104,6 +104,7 @@ def test_never_samples_beyond_the_tokenizer_vocab():
     pad_id = tokenizer.oai_pad_token_id
     lm = load_causal_lm("tiny")
     lm.resize_token_embeddings(len(tokenizer) + 8)
+
     def favour_extra_rows(module, inputs, logits):  # the extra rows would win every draw
         return torch.cat([logits[..., : len(tokenizer)], logits[..., len(tokenizer) :] + 100.0], dim=-1)
 

@@ -7,8 +7,15 @@ from lm_human_preference_details.tracking import Tracker, read_metrics
 
 def track(output_dir, name: str, resume_after_step: int | None = None, steps=(1, 2)) -> str:
     """A run that logs `steps`; returns its wandb run id."""
-    tracker = Tracker(str(output_dir), {"lr": 1e-5}, enabled=True, wandb_mode="offline", project="p", run_name=name,
-                      resume_after_step=resume_after_step)
+    tracker = Tracker(
+        str(output_dir),
+        {"lr": 1e-5},
+        enabled=True,
+        wandb_mode="offline",
+        project="p",
+        run_name=name,
+        resume_after_step=resume_after_step,
+    )
     for step in steps:
         tracker.log(step, {"objective/scores": float(step)})
     tracker.finish()

@@ -32,8 +32,22 @@ def run(cmd, timeout=600) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def tiny_reward_model(tmp_path_factory) -> str:
     out = tmp_path_factory.mktemp("reward")
-    run([sys.executable, "-m", "lm_human_preference_details.train_reward", "--task", "tiny", "--output-dir", str(out), *QUIET,
-         "--labels.num-train", "1024", "--labels.num-test", "64"])
+    run(
+        [
+            sys.executable,
+            "-m",
+            "lm_human_preference_details.train_reward",
+            "--task",
+            "tiny",
+            "--output-dir",
+            str(out),
+            *QUIET,
+            "--labels.num-train",
+            "1024",
+            "--labels.num-test",
+            "64",
+        ]
+    )
     return str(out / "reward_model")
 
 
@@ -52,8 +66,18 @@ def test_tiny_preset_end_to_end_score_rises_and_kl_tracks_target(tmp_path):
     target = train_policy.defaults_for_task("tiny").rewards.target_kl
     final_kl = sum(m["objective/kl"] for m in metrics[-5:]) / 5
     assert 0.5 * target < final_kl < 1.5 * target, final_kl
-    for name in ("ppo/policy/approxkl", "ppo/policy/clipfrac", "ppo/val/clipfrac", "ppo/loss/policy", "ppo/loss/value",
-                 "ppo/returns/mean", "objective/entropy", "objective/score_total", "objective/kl_coef", "ppo/val/var_explained"):
+    for name in (
+        "ppo/policy/approxkl",
+        "ppo/policy/clipfrac",
+        "ppo/val/clipfrac",
+        "ppo/loss/policy",
+        "ppo/loss/value",
+        "ppo/returns/mean",
+        "objective/entropy",
+        "objective/score_total",
+        "objective/kl_coef",
+        "ppo/val/var_explained",
+    ):
         assert name in metrics[-1]
     assert (tmp_path / "policy" / "config.json").exists() and (tmp_path / "reward" / "reward_model").is_dir()
 
@@ -61,8 +85,22 @@ def test_tiny_preset_end_to_end_score_rises_and_kl_tracks_target(tmp_path):
 @pytest.mark.slow
 def test_two_processes_keep_weights_and_kl_coef_identical(tmp_path, tiny_reward_model):
     script = os.path.join(os.path.dirname(__file__), "policy_on_ranks.py")
-    run([*accelerate_two_processes(), script, str(tmp_path), "--task", "tiny", "--rewards.trained-model", tiny_reward_model,
-         "--ppo.total-episodes", str(64 * 4), "--output-dir", str(tmp_path / "run"), *QUIET])
+    run(
+        [
+            *accelerate_two_processes(),
+            script,
+            str(tmp_path),
+            "--task",
+            "tiny",
+            "--rewards.trained-model",
+            tiny_reward_model,
+            "--ppo.total-episodes",
+            str(64 * 4),
+            "--output-dir",
+            str(tmp_path / "run"),
+            *QUIET,
+        ]
+    )
     rank0, rank1 = load_file(tmp_path / "rank0.safetensors"), load_file(tmp_path / "rank1.safetensors")
     initial_kl_coef = train_policy.defaults_for_task("tiny").rewards.kl_coef
     assert rank0["kl_coef"].item() != initial_kl_coef  # the adaptive controller moved ...
@@ -74,11 +112,22 @@ def test_two_processes_keep_weights_and_kl_coef_identical(tmp_path, tiny_reward_
 
 @pytest.mark.slow
 def test_killed_run_resumes_to_the_same_weights(tmp_path, tiny_reward_model, monkeypatch, capsys):
-    common = ["--task", "tiny", "--rewards.trained-model", tiny_reward_model, "--ppo.total-episodes", str(64 * 6), "--save-interval", "2"]
+    common = [
+        "--task",
+        "tiny",
+        "--rewards.trained-model",
+        tiny_reward_model,
+        "--ppo.total-episodes",
+        str(64 * 6),
+        "--save-interval",
+        "2",
+    ]
     run(policy_cmd(*common, "--output-dir", str(tmp_path / "straight")))
 
     killed = tmp_path / "killed"
-    process = subprocess.Popen(policy_cmd(*common, "--output-dir", str(killed)), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        policy_cmd(*common, "--output-dir", str(killed)), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     metrics_path = killed / "metrics.jsonl"
     deadline = time.time() + 300
     while time.time() < deadline and process.poll() is None:
@@ -104,8 +153,12 @@ def test_killed_run_resumes_to_the_same_weights(tmp_path, tiny_reward_model, mon
     # a save killed between its two renames leaves only checkpoint.old, which a resume takes; a resume
     # with other settings is refused (its LR schedule and query position belong to the old ones)
     os.rename(killed / "checkpoint", killed / "checkpoint.old")
-    assert_one_line_error(monkeypatch, capsys, [*common, "--output-dir", str(killed), "--resume", "--ppo.lr", "0.123", "--sample-interval", "3"],
-                          "--resume: " + str(killed) + "/checkpoint was saved with other settings (ppo.lr: ")
+    assert_one_line_error(
+        monkeypatch,
+        capsys,
+        [*common, "--output-dir", str(killed), "--resume", "--ppo.lr", "0.123", "--sample-interval", "3"],
+        "--resume: " + str(killed) + "/checkpoint was saved with other settings (ppo.lr: ",
+    )
     assert (killed / "checkpoint").exists()
 
 
@@ -117,12 +170,20 @@ def test_gradient_accumulation_does_not_change_the_update(tmp_path, tiny_reward_
     weights, ppo_metrics = [], []
     for steps in (1, 4):
         args = train_policy.defaults_for_task("tiny")
-        args.rewards.trained_model, args.output_dir, args.wandb_mode = tiny_reward_model, str(tmp_path / f"accum{steps}"), "disabled"
+        args.rewards.trained_model, args.output_dir, args.wandb_mode = (
+            tiny_reward_model,
+            str(tmp_path / f"accum{steps}"),
+            "disabled",
+        )
         args.ppo.batch_size, args.ppo.total_episodes, args.ppo.gradient_accumulation_steps = 16, 32, steps
         policy, _ = train_policy.train(args, cli.make_accelerator())
         weights.append({k: v.detach().clone() for k, v in policy.state_dict().items()})
-        ppo_metrics.append([{k: v for k, v in m.items() if k.startswith("ppo/") and k != "ppo/lr"}
-                            for m in read_metrics(tmp_path / f"accum{steps}" / "metrics.jsonl")])
+        ppo_metrics.append(
+            [
+                {k: v for k, v in m.items() if k.startswith("ppo/") and k != "ppo/lr"}
+                for m in read_metrics(tmp_path / f"accum{steps}" / "metrics.jsonl")
+            ]
+        )
     initial = PolicyAndValue(load_causal_lm("tiny")).state_dict()
     for name, value in weights[0].items():
         torch.testing.assert_close(weights[1][name], value, rtol=1e-4, atol=1e-6)
@@ -135,18 +196,30 @@ def test_gradient_accumulation_does_not_change_the_update(tmp_path, tiny_reward_
 
 
 def test_resume_without_checkpoint_is_one_clear_line(tmp_path, tiny_reward_model, monkeypatch, capsys):
-    assert_one_line_error(monkeypatch, capsys, ["--task", "tiny", "--rewards.trained-model", tiny_reward_model,
-                                                "--output-dir", str(tmp_path), "--resume"], "--resume: no checkpoint in")
+    assert_one_line_error(
+        monkeypatch,
+        capsys,
+        ["--task", "tiny", "--rewards.trained-model", tiny_reward_model, "--output-dir", str(tmp_path), "--resume"],
+        "--resume: no checkpoint in",
+    )
 
 
-def test_a_run_killed_in_or_after_its_own_stage_1_resumes_where_it_can(tmp_path, tiny_reward_model, monkeypatch, capsys):
+def test_a_run_killed_in_or_after_its_own_stage_1_resumes_where_it_can(
+    tmp_path, tiny_reward_model, monkeypatch, capsys
+):
     """Nothing saved yet: --resume says so before training a reward model. A reward model saved but no policy
     checkpoint (killed after stage 1): stage 2 starts over with that reward model, which is not trained again."""
-    assert_one_line_error(monkeypatch, capsys, ["--task", "tiny", "--output-dir", str(tmp_path), "--resume"],
-                          f"--resume: no reward model in {tmp_path}/reward/reward_model and no checkpoint in {tmp_path}/checkpoint")
+    assert_one_line_error(
+        monkeypatch,
+        capsys,
+        ["--task", "tiny", "--output-dir", str(tmp_path), "--resume"],
+        f"--resume: no reward model in {tmp_path}/reward/reward_model and no checkpoint in {tmp_path}/checkpoint",
+    )
     shutil.copytree(tiny_reward_model, tmp_path / "reward" / "reward_model")
     result = run(policy_cmd("--task", "tiny", "--output-dir", str(tmp_path), "--resume", "--ppo.total-episodes", "128"))
-    assert "stage 2 saved no checkpoint: it starts over" in result.stdout and "held-out accuracy" not in result.stdout  # no stage 1
+    assert (
+        "stage 2 saved no checkpoint: it starts over" in result.stdout and "held-out accuracy" not in result.stdout
+    )  # no stage 1
     assert [m["step"] for m in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2] and (tmp_path / "policy").exists()
 
 
@@ -157,14 +230,21 @@ def test_reward_model_from_another_tokenizer_is_refused(tmp_path, tiny_reward_mo
     foreign = tmp_path / "foreign"
     RewardModel.load(tiny_reward_model).save(str(foreign))
     load_tokenizer("gpt2").save_pretrained(str(foreign))  # as if trained on GPT-2's vocabulary
-    assert_one_line_error(monkeypatch, capsys, ["--task", "tiny", "--rewards.trained-model", str(foreign),
-                                                "--output-dir", str(tmp_path / "out")], "was trained with another tokenizer")
+    assert_one_line_error(
+        monkeypatch,
+        capsys,
+        ["--task", "tiny", "--rewards.trained-model", str(foreign), "--output-dir", str(tmp_path / "out")],
+        "was trained with another tokenizer",
+    )
 
 
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--ppo.batch-size", "60", "--ppo.nminibatches", "8"], "ppo.batch_size / processes = 60 must be divisible by ppo.nminibatches=8"),
+        (
+            ["--ppo.batch-size", "60", "--ppo.nminibatches", "8"],
+            "ppo.batch_size / processes = 60 must be divisible by ppo.nminibatches=8",
+        ),
         (["--ppo.gradient-accumulation-steps", "5"], "must be divisible by ppo.gradient_accumulation_steps=5"),
         (["--ppo.total-episodes", "10"], "ppo.total_episodes=10 is less than one batch"),
         (["--rewards.trained-model", "/no/such/folder"], "rewards.trained_model=/no/such/folder: no such folder"),
@@ -174,7 +254,10 @@ def test_reward_model_from_another_tokenizer_is_refused(tmp_path, tiny_reward_mo
         (["--sample-interval", "0"], "--sample-interval must be > 0, got 0"),
         (["--rewards.horizon", "0"], "--rewards.horizon must be > 0, got 0"),
         (["--task.query-length", "0"], "--task.query-length must be > 0, got 0"),
-        (["--task.truncate-token", "27", "--task.truncate-after", "12"], "--task.truncate-after 12 must be in [0, task.response_length=12)"),
+        (
+            ["--task.truncate-token", "27", "--task.truncate-after", "12"],
+            "--task.truncate-after 12 must be in [0, task.response_length=12)",
+        ),
         (["--task.truncate-token", "999"], "--task.truncate-token 999 is outside the tokenizer's vocabulary [0, 34)"),
         (["--eval-labeler", "no_such_module:f"], "no_such_module"),
     ],
@@ -195,8 +278,18 @@ def assert_one_line_error(monkeypatch, capsys, argv, message):
 @pytest.mark.slow
 def test_quickstart_runs_through_on_the_tiny_preset(tmp_path):
     """The quickstart's own code path (labels, reward model, PPO, plot, before/after) on the tiny preset."""
-    cmd = [sys.executable, "-m", "lm_human_preference_details.quickstart", "--task", "tiny", "--output-dir", str(tmp_path),
-           "--ppo.total-episodes", str(64 * 4), *QUIET]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lm_human_preference_details.quickstart",
+        "--task",
+        "tiny",
+        "--output-dir",
+        str(tmp_path),
+        "--ppo.total-episodes",
+        str(64 * 4),
+        *QUIET,
+    ]
     result = run(cmd)
     assert "the same queries, before and after PPO" in result.stdout
     assert "vowels score of the policy's samples" in result.stdout

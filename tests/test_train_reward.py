@@ -18,8 +18,12 @@ from lm_human_preference_details.text import load_tokenizer
 from lm_human_preference_details.tracking import read_metrics
 
 
-def run_stage(*args: str, launcher: tuple[str, ...] = (sys.executable, "-m"), timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([*launcher, "lm_human_preference_details.train_reward", *args], capture_output=True, text=True, timeout=timeout)
+def run_stage(
+    *args: str, launcher: tuple[str, ...] = (sys.executable, "-m"), timeout: int = 300
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*launcher, "lm_human_preference_details.train_reward", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +72,21 @@ def test_normalized_reward_of_fresh_reference_samples_is_standard(tiny_run):
 @pytest.mark.slow
 def test_two_processes_over_gloo(tmp_path):
     out = tmp_path / "ddp"
-    result = run_stage("--task", "tiny", "--output-dir", str(out), "--wandb-mode", "disabled",
-                       "--labels.num-train", "512", "--labels.num-test", "128", "--normalize-samples", "128",
-                       launcher=(*accelerate_two_processes(), "-m"))
+    result = run_stage(
+        "--task",
+        "tiny",
+        "--output-dir",
+        str(out),
+        "--wandb-mode",
+        "disabled",
+        "--labels.num-train",
+        "512",
+        "--labels.num-test",
+        "128",
+        "--normalize-samples",
+        "128",
+        launcher=(*accelerate_two_processes(), "-m"),
+    )
     # the launcher's own traceback of a failed rank takes the last 3000 characters; the rank's words are before it
     assert result.returncode == 0, result.stderr[-10000:]
     metrics = read_metrics(out / "metrics.jsonl")
@@ -89,22 +105,45 @@ def bad_label_file(tmp_path, text: str) -> str:
     "make_args, message",
     [
         (lambda tmp: ["--task", "no-such-task"], "--task 'no-such-task' is unknown"),
-        (lambda tmp: ["--task", "tiny", "--labels.num-train", "100"], "labels.num_train=100 must be a positive multiple of batch_size=32"),
+        (
+            lambda tmp: ["--task", "tiny", "--labels.num-train", "100"],
+            "labels.num_train=100 must be a positive multiple of batch_size=32",
+        ),
         (lambda tmp: ["--task", "tiny", "--labels.source", bad_label_file(tmp, "{not json")], "not JSON"),
         (lambda tmp: ["--task", "tiny", "--labels.source", str(tmp / "missing.json")], "no such file"),
-        (lambda tmp: ["--task", "tiny", "--labels.source", bad_label_file(tmp, json.dumps([{"query": [1] * 16, "best": 0}]))],
-         "record 0: field 'sample0'"),
-        (lambda tmp: ["--task", "tiny", "--labels.labeler", "nosuchmodule:score"], "labeler 'nosuchmodule:score' cannot be loaded"),
+        (
+            lambda tmp: [
+                "--task",
+                "tiny",
+                "--labels.source",
+                bad_label_file(tmp, json.dumps([{"query": [1] * 16, "best": 0}])),
+            ],
+            "record 0: field 'sample0'",
+        ),
+        (
+            lambda tmp: ["--task", "tiny", "--labels.labeler", "nosuchmodule:score"],
+            "labeler 'nosuchmodule:score' cannot be loaded",
+        ),
         (lambda tmp: ["--task", "tiny", "--batch-size", "-32"], "--batch-size must be > 0, got -32"),  # 1536 % -32 == 0
         (lambda tmp: ["--task", "tiny", "--rollout-batch-size", "0"], "--rollout-batch-size must be > 0, got 0"),
         (lambda tmp: ["--task", "tiny", "--task.temperature", "0"], "--task.temperature must be > 0, got 0.0"),
-        (lambda tmp: ["--task", "tiny", "--task.truncate-token", "34"], "--task.truncate-token 34 is outside the tokenizer's vocabulary [0, 34)"),
-        (lambda tmp: ["--task", "tiny", "--task.base-model", "no-such-model"], "model 'no-such-model' cannot be loaded"),  # the hub is offline
+        (
+            lambda tmp: ["--task", "tiny", "--task.truncate-token", "34"],
+            "--task.truncate-token 34 is outside the tokenizer's vocabulary [0, 34)",
+        ),
+        (
+            lambda tmp: ["--task", "tiny", "--task.base-model", "no-such-model"],
+            "model 'no-such-model' cannot be loaded",
+        ),  # the hub is offline
     ],
 )
 def test_bad_input_is_one_clear_line(tmp_path, monkeypatch, capsys, make_args, message):
     """The script's own entry point, in process (the subprocess test below shows the same through python -m)."""
-    monkeypatch.setattr(sys, "argv", ["train_reward", *make_args(tmp_path), "--output-dir", str(tmp_path / "out"), "--wandb-mode", "disabled"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        ["train_reward", *make_args(tmp_path), "--output-dir", str(tmp_path / "out"), "--wandb-mode", "disabled"],
+    )
     with pytest.raises(SystemExit) as exit_info:
         train_reward.main()
     assert exit_info.value.code == 2
@@ -115,21 +154,48 @@ def test_bad_input_is_one_clear_line(tmp_path, monkeypatch, capsys, make_args, m
 def test_bad_input_through_the_real_command_line(tmp_path):
     result = run_stage("--task", "tiny", "--batch-size", "5", "--output-dir", str(tmp_path), "--wandb-mode", "disabled")
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert result.stderr.strip().splitlines()[-1] == "error: labels.num_train=1536 must be a positive multiple of batch_size=5"
+    assert (
+        result.stderr.strip().splitlines()[-1]
+        == "error: labels.num_train=1536 must be a positive multiple of batch_size=5"
+    )
 
 
-@pytest.mark.parametrize("flags, message", [(["--num-labels", "0"], "error: --num-labels must be > 0, got 0"),
-                                            (["--num-responses", "1"], "error: --num-responses must be > 1, got 1"),
-                                            (["--batch-size", "0"], "error: --batch-size must be > 0, got 0")])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--num-labels", "0"], "error: --num-labels must be > 0, got 0"),
+        (["--num-responses", "1"], "error: --num-responses must be > 1, got 1"),
+        (["--batch-size", "0"], "error: --batch-size must be > 0, got 0"),
+    ],
+)
 def test_make_labels_refuses_sizes_that_make_no_labels(tmp_path, flags, message):
-    cmd = [sys.executable, "-m", "lm_human_preference_details.make_labels", "--task", "tiny", "--output", str(tmp_path / "l.json"), *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lm_human_preference_details.make_labels",
+        "--task",
+        "tiny",
+        "--output",
+        str(tmp_path / "l.json"),
+        *flags,
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [message], result.stderr
 
 
 def test_make_labels_cli_writes_oai_format(tmp_path):
     out = tmp_path / "labels.json"
-    cmd = [sys.executable, "-m", "lm_human_preference_details.make_labels", "--task", "tiny", "--num-labels", "10", "--output", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lm_human_preference_details.make_labels",
+        "--task",
+        "tiny",
+        "--num-labels",
+        "10",
+        "--output",
+        str(out),
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     records = json.loads(out.read_text())
@@ -144,7 +210,11 @@ def test_reference_reward_stats_stay_on_the_models_device(monkeypatch):
     """On a GPU the rewards, and so the sums reduced across processes, are on the GPU: the sample count must
     be too (`torch.stack` refuses a CPU tensor among CUDA ones). The `meta` device stands in for CUDA here."""
     device = torch.device("meta")
-    monkeypatch.setattr(train_reward, "sample_responses", lambda lm, contexts, *a, **k: (torch.zeros(len(contexts), 3, dtype=torch.long, device=device), None))
+    monkeypatch.setattr(
+        train_reward,
+        "sample_responses",
+        lambda lm, contexts, *a, **k: (torch.zeros(len(contexts), 3, dtype=torch.long, device=device), None),
+    )
     monkeypatch.setattr(train_reward, "format_queries", lambda queries, tokenizer, task: queries)
     tokenizer = type("Tokenizer", (), {"oai_pad_token_id": 9, "__len__": lambda self: 7})()
     sampler = type("Sampler", (), {"batch_size": 4, "__next__": lambda self: torch.zeros(4, 2, dtype=torch.long)})()
@@ -156,7 +226,9 @@ def test_reference_reward_stats_stay_on_the_models_device(monkeypatch):
 
     accelerator = type("Accelerator", (), {"device": device, "num_processes": 1, "reduce": staticmethod(reduce)})()
     reward_model = lambda ids, pad_id: torch.ones(len(ids), device=device)  # noqa: E731
-    mean, std = train_reward.reference_reward_stats(reward_model, None, sampler, get_preset("tiny").task, tokenizer, 4, accelerator)
+    mean, std = train_reward.reference_reward_stats(
+        reward_model, None, sampler, get_preset("tiny").task, tokenizer, 4, accelerator
+    )
     assert reduced == [(device, "sum")] and (mean, std) == (1.0, 0.0)
 
 
@@ -165,9 +237,17 @@ def test_normalize_refuses_rewards_it_cannot_map_to_a_standard_normal(mean, std)
     """A std of 0 or a NaN would make gain and bias NaN or infinite, saved with the model and scoring every
     sample of stage 2 as NaN (OAI asserts the numbers are finite)."""
     calls = []
-    reward_model = type("RewardModel", (), {"reset_reward_scale": lambda self: calls.append("reset"),
-                                            "set_reward_norm": lambda self, **kwargs: calls.append("set")})()
-    with pytest.raises(RuntimeError, match=f"normalize before: the reference samples' rewards have mean {mean} and std {std}"):
+    reward_model = type(
+        "RewardModel",
+        (),
+        {
+            "reset_reward_scale": lambda self: calls.append("reset"),
+            "set_reward_norm": lambda self, **kwargs: calls.append("set"),
+        },
+    )()
+    with pytest.raises(
+        RuntimeError, match=f"normalize before: the reference samples' rewards have mean {mean} and std {std}"
+    ):
         train_reward.normalize(reward_model, lambda n: (mean, std), 0, None, 0, "before", None)
     assert calls == ["reset"]
 
@@ -192,8 +272,16 @@ def test_make_labels_labels_only_queries_whose_responses_all_pass_the_truncation
         return [float(len(r)) for r in responses]
 
     torch.manual_seed(0)
-    labels = make_labels.make_labels(lm, tokenizer, QuerySampler(task, tokenizer, batch_size=64, seed=0), task, labeler,
-                                     num_labels=12, num_responses=2, progress=lambda line: None)
+    labels = make_labels.make_labels(
+        lm,
+        tokenizer,
+        QuerySampler(task, tokenizer, batch_size=64, seed=0),
+        task,
+        labeler,
+        num_labels=12,
+        num_responses=2,
+        progress=lambda line: None,
+    )
     assert len(labels) == 12 and len(seen) >= 2 * 12
     assert all(text.endswith("k") for text in seen)  # the labeler saw passing responses only, cut after their k
     pad = tokenizer.oai_pad_token_id
@@ -206,6 +294,16 @@ def test_make_labels_labels_only_queries_whose_responses_all_pass_the_truncation
 
     monkeypatch.setattr(make_labels, "MAX_BATCHES_WITHOUT_LABEL", 3)
     never = dataclasses.replace(task, truncate_after=task.response_length - 1)  # 4 responses ending in k: about 4e-6
-    with pytest.raises(UserError, match=r"3 batches in a row had no query whose 4 responses all contain --task.truncate-token"):
-        make_labels.make_labels(lm, tokenizer, QuerySampler(never, tokenizer, batch_size=64, seed=0), never, labeler, 12, 4,
-                                progress=lambda line: None)
+    with pytest.raises(
+        UserError, match=r"3 batches in a row had no query whose 4 responses all contain --task.truncate-token"
+    ):
+        make_labels.make_labels(
+            lm,
+            tokenizer,
+            QuerySampler(never, tokenizer, batch_size=64, seed=0),
+            never,
+            labeler,
+            12,
+            4,
+            progress=lambda line: None,
+        )

@@ -97,7 +97,8 @@ class Actor:
         # the run); forked now, before any request, this process has run no torch op and has no thread but
         # the exit-with-parent watchdog
         self._verifier = concurrent.futures.ProcessPoolExecutor(
-            1, mp_context=multiprocessing.get_context("fork"), initializer=_verifier_process, initargs=(os.getpid(),))
+            1, mp_context=multiprocessing.get_context("fork"), initializer=_verifier_process, initargs=(os.getpid(),)
+        )
         self._verifier.submit(math_rewards, ["\\boxed{\\frac{1}{2}}"], "1/2")  # start it and warm math_verify up now
         writer = open_writer(self.args.stream_url())
         timeout = aiohttp.ClientTimeout(total=self.args.request_timeout_s)
@@ -142,31 +143,57 @@ class Actor:
     async def _groups(self, session, writer, problems: list[Problem]) -> None:
         """Generate, score and write one group per problem."""
         for problem, (prompt_ids, choices) in zip(problems, await self._complete(session, problems)):
-            texts = [choice["text"] if "text" in choice else choice["message"]["content"] for choice in choices]  # completions or chat
+            texts = [
+                choice["text"] if "text" in choice else choice["message"]["content"] for choice in choices
+            ]  # completions or chat
             completions = [self.args.answer_prefix + t for t in texts]
             rewards = [integer_reward(c, problem.answer) for c in completions]
             if None in rewards:  # math_verify's timeout is a SIGALRM: it needs a main thread, hence a process
-                rewards = await asyncio.get_running_loop().run_in_executor(self._verifier, math_rewards, completions, problem.answer)
-            writer.write({
-                "problem_id": problem.id, "answer": problem.answer, "prompt_ids": prompt_ids,
-                "temperature": self.args.temperature,  # of the behaviour logprobs: the trainer's must match
-                "attempts": [
-                    {"completion_ids": choice["token_ids"], "logprobs": choice["logprobs"]["token_logprobs"]
-                     if "token_logprobs" in choice["logprobs"] else [c["logprob"] for c in choice["logprobs"]["content"]],
-                     "versions": choice["model_versions"], "finish_reason": choice["finish_reason"],
-                     "text": text, "reward": reward}
-                    for choice, text, reward in zip(choices, texts, rewards)
-                ],
-            })
+                rewards = await asyncio.get_running_loop().run_in_executor(
+                    self._verifier, math_rewards, completions, problem.answer
+                )
+            writer.write(
+                {
+                    "problem_id": problem.id,
+                    "answer": problem.answer,
+                    "prompt_ids": prompt_ids,
+                    "temperature": self.args.temperature,  # of the behaviour logprobs: the trainer's must match
+                    "attempts": [
+                        {
+                            "completion_ids": choice["token_ids"],
+                            "logprobs": choice["logprobs"]["token_logprobs"]
+                            if "token_logprobs" in choice["logprobs"]
+                            else [c["logprob"] for c in choice["logprobs"]["content"]],
+                            "versions": choice["model_versions"],
+                            "finish_reason": choice["finish_reason"],
+                            "text": text,
+                            "reward": reward,
+                        }
+                        for choice, text, reward in zip(choices, texts, rewards)
+                    ],
+                }
+            )
 
     async def _complete(self, session, problems: list[Problem]) -> list[tuple[list[int], list[dict]]]:
         """`group_size` attempts at each problem: (prompt token ids, its choices) per problem. One
         completion request for all of them (a list of prompts), or one chat request per problem."""
-        sampling = {"max_tokens": self.args.max_tokens, "temperature": self.args.temperature, "n": self.args.group_size,
-                    "ignore_eos": self.args.ignore_eos}
+        sampling = {
+            "max_tokens": self.args.max_tokens,
+            "temperature": self.args.temperature,
+            "n": self.args.group_size,
+            "ignore_eos": self.args.ignore_eos,
+        }
         if self.args.chat:
-            bodies = await asyncio.gather(*(self._request(
-                session, "/v1/chat/completions", {"messages": [{"role": "user", "content": p.prompt}], **sampling}) for p in problems))
+            bodies = await asyncio.gather(
+                *(
+                    self._request(
+                        session,
+                        "/v1/chat/completions",
+                        {"messages": [{"role": "user", "content": p.prompt}], **sampling},
+                    )
+                    for p in problems
+                )
+            )
             return [(body["prompt_token_ids"], body["choices"]) for body in bodies]
         body = await self._request(session, "/v1/completions", {"prompt": [p.prompt for p in problems], **sampling})
         n = self.args.group_size
@@ -185,7 +212,7 @@ class Actor:
                         server.version = max([server.version] + [c["model_versions"][-1] for c in body["choices"]])
                         return body
                     reason = f"HTTP {response.status}"
-            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as error:
+            except (TimeoutError, aiohttp.ClientError, ConnectionError) as error:
                 reason = repr(error)
             finally:
                 await self._release_server(server)
@@ -208,9 +235,11 @@ class Actor:
                 if usable:
                     last_usable = time.monotonic()
                 elif time.monotonic() - last_usable > self.args.request_timeout_s:
-                    raise ActorError(f"no server has been usable for {self.args.request_timeout_s:g} s (--request-timeout-s): "
-                                     f"{', '.join(f'{s.url} at version {s.version}' for s in self.servers)}, the newest weights "
-                                     f"are version {self.weight_version()}; see the servers' logs")
+                    raise ActorError(
+                        f"no server has been usable for {self.args.request_timeout_s:g} s (--request-timeout-s): "
+                        f"{', '.join(f'{s.url} at version {s.version}' for s in self.servers)}, the newest weights "
+                        f"are version {self.weight_version()}; see the servers' logs"
+                    )
                 with contextlib.suppress(asyncio.TimeoutError):  # a slot frees up, or a server comes back
                     await asyncio.wait_for(self._changed.wait(), timeout=RETRY_AFTER_S)
 
@@ -232,13 +261,15 @@ class Actor:
                     raise ValueError(health.get("error", response.status))
                 if not server.live():
                     log.info("server %s is back", server.url)
-                if health["model_version"] < asked:  # a server's version only grows: this one restarted, with older weights
+                if (
+                    health["model_version"] < asked
+                ):  # a server's version only grows: this one restarted, with older weights
                     log.warning("server %s restarted at version %d", server.url, health["model_version"])
                     server.version = health["model_version"]
                 else:  # (a completion that saw newer weights may have come back meanwhile: never lower)
                     server.version = max(server.version, health["model_version"])
                 server.down_until = 0.0
-            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, ValueError) as error:
+            except (TimeoutError, aiohttp.ClientError, ConnectionError, ValueError) as error:
                 if server.live():
                     log.warning("server %s is not serving (%r): no requests to it until it answers", server.url, error)
                 server.down_until = max(server.down_until, time.monotonic() + RETRY_AFTER_S)
@@ -287,11 +318,15 @@ def run(args: GRPOArgs, wait_for_servers: Callable[[], list[str]], first_group: 
 @cli.main_with_user_errors
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s actor %(message)s")
-    args = cli.parse(GRPOArgs, get_preset, "tiny", description=__doc__.split("\n\n")[0])  # the launcher's flags, this role's purpose
+    args = cli.parse(
+        GRPOArgs, get_preset, "tiny", description=__doc__.split("\n\n")[0]
+    )  # the launcher's flags, this role's purpose
     args.check()
     if args.resume:
-        raise cli.UserError("--resume: resume a run through grpo.launch, which restarts the servers with the checkpoint's "
-                            "weights and version, drops the stream's records after the checkpoint and starts the actor at its step")
+        raise cli.UserError(
+            "--resume: resume a run through grpo.launch, which restarts the servers with the checkpoint's "
+            "weights and version, drops the stream's records after the checkpoint and starts the actor at its step"
+        )
     check_serving(args.servers, 0, args.model)
     run(args, wait_for_servers=lambda: args.servers)
 

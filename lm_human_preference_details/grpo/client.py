@@ -14,7 +14,6 @@ import weakref
 from collections.abc import Callable
 from typing import Literal
 
-
 MAX_CHOICES = 512
 """sequences one completion request may ask for (prompts x n)"""
 
@@ -37,8 +36,10 @@ def check_serving(urls: list[str], version: int, model: str, starts: str = "star
         except ServerError as error:
             raise UserError(f"--servers: {url} is not serving ({error})") from None
         if served != version:
-            raise UserError(f"--servers: {url} serves weights version {served}, and this run {starts} at {version}: restart it with "
-                            f"`python -m lm_human_preference_details.grpo.server --model {model} --version {version}`")
+            raise UserError(
+                f"--servers: {url} serves weights version {served}, and this run {starts} at {version}: restart it with "
+                f"`python -m lm_human_preference_details.grpo.server --model {model} --version {version}`"
+            )
 
 
 class ServerError(RuntimeError):
@@ -70,10 +71,26 @@ class ServerProcess:
     def __init__(self, flags: list[str], log_file, env: dict | None = None):
         folder = tempfile.mkdtemp(prefix="grpo-server-")
         self._port_file = os.path.join(folder, "port")
-        self._remove_folder = weakref.finalize(self, shutil.rmtree, folder, ignore_errors=True)  # also if never waited for
+        self._remove_folder = weakref.finalize(
+            self, shutil.rmtree, folder, ignore_errors=True
+        )  # also if never waited for
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "lm_human_preference_details.grpo.server", *flags, "--host", "127.0.0.1", "--port", "0",
-             "--port-file", self._port_file], stdout=log_file, stderr=subprocess.STDOUT, env=env)
+            [
+                sys.executable,
+                "-m",
+                "lm_human_preference_details.grpo.server",
+                *flags,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--port-file",
+                self._port_file,
+            ],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
 
     def wait_until_serving(self, timeout_s: float = 600, while_waiting: Callable[[], None] = lambda: None) -> str:
         """The server's URL, once it answers /health; RuntimeError if it exits first or `timeout_s` passes

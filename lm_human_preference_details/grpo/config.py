@@ -159,14 +159,18 @@ class GRPOArgs(RunArgs):
         problems each) cannot split."""
         problems = self.steps_ahead * self.groups_per_step()
         if not math.isfinite(problems) or abs(problems - round(problems)) > 1e-6:
-            raise UserError(f"--steps-ahead {self.steps_ahead!r} is {problems:.6g} problems ahead, not a whole number: pass a "
-                            f"multiple of 1/{self.groups_per_step()} (the problems of a step, batch_size / group_size)")
+            raise UserError(
+                f"--steps-ahead {self.steps_ahead!r} is {problems:.6g} problems ahead, not a whole number: pass a "
+                f"multiple of 1/{self.groups_per_step()} (the problems of a step, batch_size / group_size)"
+            )
         problems = round(problems)
         if problems % self.request_problems():
             acts_as = problems // self.request_problems() * self.request_problems() / self.groups_per_step()
-            raise UserError(f"--steps-ahead {self.steps_ahead!r} starts {problems} problems ahead, which requests of "
-                            f"{self.request_problems()} problems cannot split (it would act as {acts_as:g}): pass a "
-                            f"--problems-per-request that divides both {self.groups_per_step()} and {problems}")
+            raise UserError(
+                f"--steps-ahead {self.steps_ahead!r} starts {problems} problems ahead, which requests of "
+                f"{self.request_problems()} problems cannot split (it would act as {acts_as:g}): pass a "
+                f"--problems-per-request that divides both {self.groups_per_step()} and {problems}"
+            )
         return problems
 
     def torch_threads(self, role: Literal["server", "trainer"]) -> int:
@@ -187,12 +191,22 @@ class GRPOArgs(RunArgs):
             raise UserError(f"--group-size {self.group_size}: a group needs at least 2 attempts")
         if self.batch_size % self.group_size:
             raise UserError(f"--batch-size {self.batch_size} must be a multiple of --group-size {self.group_size}")
-        for name in ("steps", "sync_steps", "steps_ahead", "num_servers", "server_batch_size", "max_in_flight",
-                     "max_tokens", "sample_interval"):
+        for name in (
+            "steps",
+            "sync_steps",
+            "steps_ahead",
+            "num_servers",
+            "server_batch_size",
+            "max_in_flight",
+            "max_tokens",
+            "sample_interval",
+        ):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not (math.isfinite(self.temperature) and self.temperature >= MIN_TEMPERATURE):
-            raise UserError(f"--temperature must be a finite number >= {MIN_TEMPERATURE} (sampling only), got {self.temperature}")
+            raise UserError(
+                f"--temperature must be a finite number >= {MIN_TEMPERATURE} (sampling only), got {self.temperature}"
+            )
         for name in ("lr", "ratio_cap", "clip_eps", "grad_clip", "request_timeout_s"):
             if getattr(self, name) <= 0:
                 raise UserError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
@@ -202,13 +216,17 @@ class GRPOArgs(RunArgs):
             if getattr(self, name) < 0:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.groups_per_step() % self.request_problems():
-            raise UserError(f"--problems-per-request {self.problems_per_request} must divide the {self.groups_per_step()} "
-                            f"problems of an optimizer step (batch_size / group_size), or be 0: all of them in one request")
+            raise UserError(
+                f"--problems-per-request {self.problems_per_request} must divide the {self.groups_per_step()} "
+                f"problems of an optimizer step (batch_size / group_size), or be 0: all of them in one request"
+            )
         choices = (1 if self.chat else self.request_problems()) * self.group_size
         if choices > MAX_CHOICES:
-            raise UserError(f"--problems-per-request {self.problems_per_request}: {choices} samples in one request (problems x "
-                            f"--group-size {self.group_size}), a server takes at most {MAX_CHOICES}: pass one that divides the "
-                            f"{self.groups_per_step()} problems of a step into requests of at most {MAX_CHOICES // self.group_size}")
+            raise UserError(
+                f"--problems-per-request {self.problems_per_request}: {choices} samples in one request (problems x "
+                f"--group-size {self.group_size}), a server takes at most {MAX_CHOICES}: pass one that divides the "
+                f"{self.groups_per_step()} problems of a step into requests of at most {MAX_CHOICES // self.group_size}"
+            )
         if self.mode == "pipeline":
             self.problems_ahead()  # a fraction of a step that the problems or the requests cannot split: refused
         if self.token_budget < 1:
@@ -220,7 +238,9 @@ class GRPOArgs(RunArgs):
             import torch
 
             if not torch.cuda.is_available():
-                raise UserError("--weight-backend nccl sends GPU tensors and no GPU is visible; use --weight-backend gloo")
+                raise UserError(
+                    "--weight-backend nccl sends GPU tensors and no GPU is visible; use --weight-backend gloo"
+                )
 
 
 PRESETS: dict[str, GRPOArgs] = {
@@ -229,14 +249,39 @@ PRESETS: dict[str, GRPOArgs] = {
     # step's; one request per optimizer step (its 8 problems, one prefill) instead of 4 requests of 2
     # took the pipeline 0.86x and sync G=4 0.89x the time a step (6 rounds of interleaved runs); and
     # its 28 tensors go to the servers as one broadcast)
-    "tiny": GRPOArgs(preset="tiny", model="tiny-math", problems="tiny-sums", answer_prefix="\\boxed{",
-                     group_size=8, batch_size=64, max_tokens=6, steps=100, lr=5e-4, steps_ahead=4,
-                     server_batch_size=256, problems_per_request=0, update_bucket_mb=16),
+    "tiny": GRPOArgs(
+        preset="tiny",
+        model="tiny-math",
+        problems="tiny-sums",
+        answer_prefix="\\boxed{",
+        group_size=8,
+        batch_size=64,
+        max_tokens=6,
+        steps=100,
+        lr=5e-4,
+        steps_ahead=4,
+        server_batch_size=256,
+        problems_per_request=0,
+        update_bucket_mb=16,
+    ),
     # a real pretrained LM (SmolLM2-135M-Instruct, offline) completing `4+5=\boxed{`: about 3% right at
     # the start; sized for a GPU (on 2 CPU cores a step takes about 10 s)
-    "arith": GRPOArgs(preset="arith", model="smollm2-135m", problems="arith", arith_digits=1,
-                      arith_template="{expression}=\\boxed{{", answer_prefix="\\boxed{", group_size=8, batch_size=32,
-                      max_tokens=8, steps=40, lr=1e-5, num_problems=512, max_in_flight=8, server_batch_size=64),
+    "arith": GRPOArgs(
+        preset="arith",
+        model="smollm2-135m",
+        problems="arith",
+        arith_digits=1,
+        arith_template="{expression}=\\boxed{{",
+        answer_prefix="\\boxed{",
+        group_size=8,
+        batch_size=32,
+        max_tokens=8,
+        steps=40,
+        lr=1e-5,
+        num_problems=512,
+        max_in_flight=8,
+        server_batch_size=64,
+    ),
 }
 
 
@@ -251,7 +296,9 @@ def tiny_sums() -> list:
     from lm_human_preference_details.assets import tiny_math_prompt
     from lm_human_preference_details.grpo.rewards import Problem
 
-    return [Problem(prompt=tiny_math_prompt(a, b), answer=str(a + b), id=f"sum-{a}-{b}") for a in range(5) for b in range(5)]
+    return [
+        Problem(prompt=tiny_math_prompt(a, b), answer=str(a + b), id=f"sum-{a}-{b}") for a in range(5) for b in range(5)
+    ]
 
 
 def load_task_problems(args: GRPOArgs) -> list:
@@ -261,8 +308,9 @@ def load_task_problems(args: GRPOArgs) -> list:
     if args.problems == "tiny-sums":
         problems = tiny_sums()
     elif args.problems == "arith":
-        problems = rewards.arithmetic_problems(count=args.num_problems or 1000, seed=args.seed, digits=args.arith_digits,
-                                               template=args.arith_template)
+        problems = rewards.arithmetic_problems(
+            count=args.num_problems or 1000, seed=args.seed, digits=args.arith_digits, template=args.arith_template
+        )
     else:
         problems = rewards.load_problems(args.problems, limit=args.num_problems or None)
     if args.num_problems:

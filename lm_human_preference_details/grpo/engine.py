@@ -118,7 +118,9 @@ class Engine:
         if not request.prompt_ids:
             raise ValueError("prompt is empty")
         if not (math.isfinite(request.temperature) and request.temperature >= MIN_TEMPERATURE):
-            raise ValueError(f"temperature {request.temperature!r}: expected a finite number >= {MIN_TEMPERATURE} (sampling only)")
+            raise ValueError(
+                f"temperature {request.temperature!r}: expected a finite number >= {MIN_TEMPERATURE} (sampling only)"
+            )
         if len(request.prompt_ids) + request.max_new_tokens > self.max_positions:
             raise ValueError(
                 f"prompt ({len(request.prompt_ids)} tokens) + max_tokens ({request.max_new_tokens}) exceeds the "
@@ -212,8 +214,8 @@ class Engine:
         ids = torch.zeros(len(distinct), length, dtype=torch.long, device=self.device)
         mask = torch.zeros_like(ids)
         for row, prompt in enumerate(distinct):
-            ids[row, length - len(prompt):] = torch.tensor(prompt, device=self.device)
-            mask[row, length - len(prompt):] = 1
+            ids[row, length - len(prompt) :] = torch.tensor(prompt, device=self.device)
+            mask[row, length - len(prompt) :] = 1
         positions = (mask.cumsum(1) - 1).clamp(min=0)
         # left-padded: every prompt ends at the last column, the only logits sampled from
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
@@ -221,7 +223,12 @@ class Engine:
         rows = torch.tensor(rows, device=self.device)
         first = self._batch.rows
         temperatures = torch.tensor([s.request.temperature for s in admitted], device=self.device)
-        self._batch.append([(layer.keys[rows], layer.values[rows]) for layer in out.cache.layers], mask[rows], mask.sum(1)[rows], temperatures)
+        self._batch.append(
+            [(layer.keys[rows], layer.values[rows]) for layer in out.cache.layers],
+            mask[rows],
+            mask.sum(1)[rows],
+            temperatures,
+        )
         self._active.extend(admitted)
         self._sample(out.logits[rows, -1], first_row=first)
 
@@ -229,8 +236,11 @@ class Engine:
         batch = self._batch
         mask = batch.open_column()
         out = self.model(
-            input_ids=batch.last_tokens[: batch.rows, None], attention_mask=mask,
-            position_ids=batch.positions[: batch.rows, None], cache=batch.cache, use_cache=True,
+            input_ids=batch.last_tokens[: batch.rows, None],
+            attention_mask=mask,
+            position_ids=batch.positions[: batch.rows, None],
+            cache=batch.cache,
+            use_cache=True,
         )
         batch.close_column()
         self.stats["decode_steps"] += 1
@@ -248,7 +258,9 @@ class Engine:
         finished, version = [], self.version
         # per row only what the Generation needs; a running sequence cannot be cancelled (its
         # future is running), so its client's going away is not checked here
-        for row, (sequence, token, logprob) in enumerate(zip(sequences, tokens.tolist(), token_logprobs.tolist()), first_row):
+        for row, (sequence, token, logprob) in enumerate(
+            zip(sequences, tokens.tolist(), token_logprobs.tolist()), first_row
+        ):
             sequence.token_ids.append(token)
             sequence.logprobs.append(logprob)
             sequence.versions.append(version)
@@ -300,8 +312,13 @@ class DecodingBatch:
         self.cache: Cache | None = None
         """what the model's forward gets: each layer's `update` writes at column `width` (`_BufferLayer`)"""
 
-    def append(self, layers: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor, positions: torch.Tensor,
-               temperatures: torch.Tensor) -> None:
+    def append(
+        self,
+        layers: list[tuple[torch.Tensor, torch.Tensor]],
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+        temperatures: torch.Tensor,
+    ) -> None:
         """Add rows: per layer their keys and values [n, heads, length, head dim], their mask [n, length]
         (left-padded), next positions [n] and sampling temperatures [n]."""
         n, length = mask.shape

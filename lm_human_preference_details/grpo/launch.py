@@ -81,15 +81,32 @@ class Run:
         started = []
         for i in range(self.args.num_servers):
             with open(os.path.join(self.logs, f"server-{i}.log"), "ab") as log_file:  # the child keeps its own handle
-                started.append(ServerProcess([
-                    "--model", model, "--threads", str(self.args.torch_threads("server")), "--seed", str(self.args.seed + i),
-                    "--max-batch-size", str(self.args.server_batch_size), "--version", str(version), "--exit-with-parent",
-                    "--dtype", self.args.server_dtype,
-                ], log_file))
+                started.append(
+                    ServerProcess(
+                        [
+                            "--model",
+                            model,
+                            "--threads",
+                            str(self.args.torch_threads("server")),
+                            "--seed",
+                            str(self.args.seed + i),
+                            "--max-batch-size",
+                            str(self.args.server_batch_size),
+                            "--version",
+                            str(version),
+                            "--exit-with-parent",
+                            "--dtype",
+                            self.args.server_dtype,
+                        ],
+                        log_file,
+                    )
+                )
             self.servers.append(started[-1].process)
         for i, server_process in enumerate(started):  # they load their models side by side
             try:
-                self.server_urls.append(server_process.wait_until_serving(SERVER_START_TIMEOUT_S, self.check_roles_started))
+                self.server_urls.append(
+                    server_process.wait_until_serving(SERVER_START_TIMEOUT_S, self.check_roles_started)
+                )
             except RoleExited:
                 raise
             except RuntimeError as error:
@@ -101,7 +118,9 @@ class Run:
         context = multiprocessing.get_context("spawn")
         for name in ("trainer", "actor"):
             receive, send = context.Pipe(duplex=False)
-            self.roles[name] = context.Process(target=_role, name=name, args=(name, self.args, receive, first_group, os.getpid()))
+            self.roles[name] = context.Process(
+                target=_role, name=name, args=(name, self.args, receive, first_group, os.getpid())
+            )
             self.roles[name].start()
             receive.close()  # the child's copy is the one that reads
             self._send_server_urls.append(send)
@@ -171,15 +190,19 @@ def launch(args: GRPOArgs) -> None:
     """Start everything, run to the last step, stop everything (also on failure or a signal)."""
     args.check()
     if args.weight_backend == "nccl" and not args.servers:
-        raise cli.UserError("--weight-backend nccl: the servers this launcher starts share the trainer's GPU, where NCCL "
-                            "refuses two ranks; use --weight-backend gloo, or start servers on other GPUs and pass --servers")
+        raise cli.UserError(
+            "--weight-backend nccl: the servers this launcher starts share the trainer's GPU, where NCCL "
+            "refuses two ranks; use --weight-backend gloo, or start servers on other GPUs and pass --servers"
+        )
     args.check_weight_backend()
     os.makedirs(args.output_dir, exist_ok=True)
     where = streams.parse_stream_url(args.stream_url())
     if args.resume and isinstance(where, streams.RedisStreamUrl) and where.maxlen is not None:
         # a checkpoint's stream position counts records from the stream's first; trimming shifts that count
-        raise cli.UserError(f"--stream {args.stream}: --resume finds the checkpoint's place in the stream by counting records "
-                            "from its first, which maxlen trims away; run without maxlen to be able to resume")
+        raise cli.UserError(
+            f"--stream {args.stream}: --resume finds the checkpoint's place in the stream by counting records "
+            "from its first, which maxlen trims away; run without maxlen to be able to resume"
+        )
     if args.resume:
         from lm_human_preference_details.grpo import trainer  # torch and transformers: only to resume
 

@@ -147,7 +147,11 @@ def arithmetic_problems(
     for i in range(count):
         a, op, b = rng.randint(low, high), rng.choice(operators), rng.randint(low, high)
         expression = f"{a}{op}{b}"
-        problems.append(Problem(prompt=template.format(expression=expression), answer=str(_OPERATORS[op](a, b)), id=f"arith-{seed}-{i}"))
+        problems.append(
+            Problem(
+                prompt=template.format(expression=expression), answer=str(_OPERATORS[op](a, b)), id=f"arith-{seed}-{i}"
+            )
+        )
     return problems
 
 
@@ -167,10 +171,17 @@ def load_problems(source: str, split: str = "test", limit: int | None = None) ->
     elif source in HUB_DATASETS:
         records, where, prefix = _hub_records(source, split), source, f"{source}-{split}"
     elif source == "orz":
-        raise UserError(f"source=orz: Open-Reasoner-Zero data is not on the hub; download a JSON file from {ORZ_DATA_URL} and pass its path")
+        raise UserError(
+            f"source=orz: Open-Reasoner-Zero data is not on the hub; download a JSON file from {ORZ_DATA_URL} and pass its path"
+        )
     else:
-        raise UserError(f"source={source!r}: no such file; choose {' or '.join(HUB_DATASETS)}, or the path of a .json/.jsonl file of {FORMATS}")
-    return [_problem(record, f"{where} record {i}", f"{prefix}-{i}") for i, record in enumerate(itertools.islice(records, limit))]
+        raise UserError(
+            f"source={source!r}: no such file; choose {' or '.join(HUB_DATASETS)}, or the path of a .json/.jsonl file of {FORMATS}"
+        )
+    return [
+        _problem(record, f"{where} record {i}", f"{prefix}-{i}")
+        for i, record in enumerate(itertools.islice(records, limit))
+    ]
 
 
 def _read_records(path: str) -> list:
@@ -203,7 +214,9 @@ def _hub_records(name: str, split: str) -> Iterable[dict]:
     try:
         return datasets.load_dataset(path, config, split=split)
     except Exception as e:  # offline, unknown split, hub errors: all mean the same to the user
-        raise UserError(f"source={name}: cannot load {path} split {split!r} from the hub ({e}); pass a local .json/.jsonl file instead") from e
+        raise UserError(
+            f"source={name}: cannot load {path} split {split!r} from the hub ({e}); pass a local .json/.jsonl file instead"
+        ) from e
 
 
 def _problem(record, where: str, default_id: str) -> Problem:
@@ -213,7 +226,9 @@ def _problem(record, where: str, default_id: str) -> Problem:
         answer = _orz_field(record, (1, "ground_truth", "value"), where)
         return Problem(question.strip() + BOXED_INSTRUCTION, answer, default_id)
     if not isinstance(record, dict):
-        raise UserError(f"{where}: expected an object or an Open-Reasoner-Zero list ({FORMATS}), got {type(record).__name__}")
+        raise UserError(
+            f"{where}: expected an object or an Open-Reasoner-Zero list ({FORMATS}), got {type(record).__name__}"
+        )
     problem_id = str(record.get("id", default_id))
     if "answer" not in record:
         raise UserError(f"{where}: no field 'answer' (expected {FORMATS})")
@@ -221,7 +236,11 @@ def _problem(record, where: str, default_id: str) -> Problem:
     if "prompt" in record:
         return Problem(_text(record["prompt"], "prompt", where), answer, problem_id)
     if "question" in record:  # GSM8K: the gold number follows the last #### (when there is one), with thousands commas
-        return Problem(_text(record["question"], "question", where).strip() + BOXED_INSTRUCTION, answer.split("####")[-1].replace(",", "").strip(), problem_id)
+        return Problem(
+            _text(record["question"], "question", where).strip() + BOXED_INSTRUCTION,
+            answer.split("####")[-1].replace(",", "").strip(),
+            problem_id,
+        )
     if "problem" in record:
         return Problem(_text(record["problem"], "problem", where).strip() + BOXED_INSTRUCTION, answer, problem_id)
     raise UserError(f"{where}: no field 'question', 'problem' or 'prompt' (expected {FORMATS})")

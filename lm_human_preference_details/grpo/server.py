@@ -82,15 +82,17 @@ class InferenceServer:
     def app(self) -> web.Application:
         app = web.Application(middlewares=[_errors_as_json], client_max_size=64 * 2**20)
         app.on_startup.append(self._on_startup)
-        app.add_routes([
-            web.post("/v1/completions", self.completions),
-            web.post("/v1/chat/completions", self.chat_completions),
-            web.post("/init_process_group", self.init_process_group),
-            web.post("/request_weight_update", self.request_weight_update),
-            web.get("/health", self.health),
-            web.get("/metrics", self.metrics),
-            web.get("/weights_digest", self.weights_digest),
-        ])
+        app.add_routes(
+            [
+                web.post("/v1/completions", self.completions),
+                web.post("/v1/chat/completions", self.chat_completions),
+                web.post("/init_process_group", self.init_process_group),
+                web.post("/request_weight_update", self.request_weight_update),
+                web.get("/health", self.health),
+                web.get("/metrics", self.metrics),
+                web.get("/weights_digest", self.weights_digest),
+            ]
+        )
         app.on_cleanup.append(lambda _: asyncio.get_running_loop().run_in_executor(None, self.engine.stop))
         return app
 
@@ -101,56 +103,110 @@ class InferenceServer:
         body = await _json_body(request)
         prompt = body.get("prompt")
         batched = isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
-        prompts_ids = [self._prompt_ids(p, f"prompt[{i}]") for i, p in enumerate(prompt)] if batched else [self._prompt_ids(prompt, "prompt")]
+        prompts_ids = (
+            [self._prompt_ids(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+            if batched
+            else [self._prompt_ids(prompt, "prompt")]
+        )
         choices = await self._generate(prompts_ids, body)
-        return web.json_response(self._response("text_completion", prompts_ids, batched, [
-            {"index": i, "text": self._text(g.token_ids), "token_ids": g.token_ids,
-             "logprobs": {"tokens": self._pieces(g.token_ids), "token_logprobs": g.logprobs},
-             "model_versions": g.versions, "finish_reason": g.finish_reason}
-            for i, g in enumerate(choices)
-        ]))
+        return web.json_response(
+            self._response(
+                "text_completion",
+                prompts_ids,
+                batched,
+                [
+                    {
+                        "index": i,
+                        "text": self._text(g.token_ids),
+                        "token_ids": g.token_ids,
+                        "logprobs": {"tokens": self._pieces(g.token_ids), "token_logprobs": g.logprobs},
+                        "model_versions": g.versions,
+                        "finish_reason": g.finish_reason,
+                    }
+                    for i, g in enumerate(choices)
+                ],
+            )
+        )
 
     def _prompt_ids(self, prompt, name: str) -> list[int]:
         if isinstance(prompt, str) and prompt:
             return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return prompt
-        raise BadRequest(f"field {name!r}: expected a non-empty string or a non-empty list of token ids"
-                         + (" (or a non-empty list of those)" if name == "prompt" else ""))
+        raise BadRequest(
+            f"field {name!r}: expected a non-empty string or a non-empty list of token ids"
+            + (" (or a non-empty list of those)" if name == "prompt" else "")
+        )
 
     async def chat_completions(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
         messages = body.get("messages")
-        if not (isinstance(messages, list) and messages and all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages)):
+        if not (
+            isinstance(messages, list)
+            and messages
+            and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages
+            )
+        ):
             raise BadRequest("field 'messages': expected a non-empty list of {role, content} strings")
         if not getattr(self.tokenizer, "chat_template", None):
             raise BadRequest(f"model {self.model_name} has no chat template: use /v1/completions")
-        prompt_ids = list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+        prompt_ids = list(
+            self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        )
         choices = await self._generate([prompt_ids], body)
-        return web.json_response(self._response("chat.completion", [prompt_ids], False, [
-            {"index": i, "message": {"role": "assistant", "content": self._text(g.token_ids)}, "token_ids": g.token_ids,
-             "logprobs": {"content": [{"token": t, "logprob": lp} for t, lp in zip(self._pieces(g.token_ids), g.logprobs)]},
-             "model_versions": g.versions, "finish_reason": g.finish_reason}
-            for i, g in enumerate(choices)
-        ]))
+        return web.json_response(
+            self._response(
+                "chat.completion",
+                [prompt_ids],
+                False,
+                [
+                    {
+                        "index": i,
+                        "message": {"role": "assistant", "content": self._text(g.token_ids)},
+                        "token_ids": g.token_ids,
+                        "logprobs": {
+                            "content": [
+                                {"token": t, "logprob": lp} for t, lp in zip(self._pieces(g.token_ids), g.logprobs)
+                            ]
+                        },
+                        "model_versions": g.versions,
+                        "finish_reason": g.finish_reason,
+                    }
+                    for i, g in enumerate(choices)
+                ],
+            )
+        )
 
     async def _generate(self, prompts_ids: list[list[int]], body: dict):
         """`n` generations of each prompt, prompt-major."""
         if self.stale:
             raise web.HTTPServiceUnavailable(reason=self.stale)
-        stop = set(_field(body, "stop_token_ids", list, [], lambda v: all(isinstance(t, int) for t in v), "a list of token ids"))
+        stop = set(
+            _field(
+                body, "stop_token_ids", list, [], lambda v: all(isinstance(t, int) for t in v), "a list of token ids"
+            )
+        )
         if not _field(body, "ignore_eos", bool, False) and self.tokenizer.eos_token_id is not None:
             stop.add(self.tokenizer.eos_token_id)
         sampling = dict(
             max_new_tokens=_field(body, "max_tokens", int, 16, lambda v: v >= 1, "an integer >= 1"),
-            temperature=_field(body, "temperature", float, 1.0, lambda v: math.isfinite(v) and v >= MIN_TEMPERATURE,
-                               f"a finite number >= {MIN_TEMPERATURE} (sampling only)"),
+            temperature=_field(
+                body,
+                "temperature",
+                float,
+                1.0,
+                lambda v: math.isfinite(v) and v >= MIN_TEMPERATURE,
+                f"a finite number >= {MIN_TEMPERATURE} (sampling only)",
+            ),
             stop_token_ids=frozenset(stop),
         )
         n = _field(body, "n", int, 1, lambda v: 1 <= v <= MAX_CHOICES, f"an integer in [1, {MAX_CHOICES}]")
         if n * len(prompts_ids) > MAX_CHOICES:
-            raise BadRequest(f"fields 'prompt' and 'n': {len(prompts_ids)} prompts x n={n} exceeds {MAX_CHOICES} choices per request")
+            raise BadRequest(
+                f"fields 'prompt' and 'n': {len(prompts_ids)} prompts x n={n} exceeds {MAX_CHOICES} choices per request"
+            )
         generations = [GenerationRequest(prompt_ids=ids, **sampling) for ids in prompts_ids]
         for i, generation in enumerate(generations):  # every prompt is checked before any is queued
             try:
@@ -165,10 +221,17 @@ class InferenceServer:
         completion_tokens = sum(len(c["token_ids"]) for c in choices)
         prompt_tokens = sum(len(p) for p in prompts_ids)
         return {
-            "id": f"cmpl-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()), "model": self.model_name,
-            "prompt_token_ids": prompts_ids if batched else prompts_ids[0], "choices": choices,
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens},
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": kind,
+            "created": int(time.time()),
+            "model": self.model_name,
+            "prompt_token_ids": prompts_ids if batched else prompts_ids[0],
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            },
         }
 
     def _text(self, token_ids: list[int]) -> str:
@@ -200,16 +263,22 @@ class InferenceServer:
         if self.weight_group is None:
             raise web.HTTPConflict(reason="no process group: POST /init_process_group first")
         latest = max(self.engine.version, self.announced_version)
-        version = _field(body, "version", int, None, lambda v: v > latest, f"an integer above the latest version {latest}")
+        version = _field(
+            body, "version", int, None, lambda v: v > latest, f"an integer above the latest version {latest}"
+        )
         try:
             specs = [ParameterSpec.from_json(p) for p in _field(body, "parameters", list, None, need="a list")]
         except (KeyError, TypeError, ValueError) as error:
             raise BadRequest(f"field 'parameters': each entry needs name, shape and dtype ({error})") from None
-        bucket_bytes = _field(body, "bucket_bytes", int, 0, lambda v: v >= 0, "an integer >= 0 (0: one broadcast per tensor)")
+        bucket_bytes = _field(
+            body, "bucket_bytes", int, 0, lambda v: v >= 0, "an integer >= 0 (0: one broadcast per tensor)"
+        )
         reasons = mismatches(self.specs, specs)
         if reasons:
-            raise BadRequest(f"update refused, the old weights keep serving: {'; '.join(reasons[:10])}"
-                             + (f" (and {len(reasons) - 10} more)" if len(reasons) > 10 else ""))
+            raise BadRequest(
+                f"update refused, the old weights keep serving: {'; '.join(reasons[:10])}"
+                + (f" (and {len(reasons) - 10} more)" if len(reasons) > 10 else "")
+            )
 
         loop = asyncio.get_running_loop()
         device = next(self.model.parameters()).device
@@ -219,7 +288,9 @@ class InferenceServer:
                 tensors = receive_tensors(self.weight_group, specs, device, bucket_bytes)
             except Exception as error:  # the group is broken: no later update can arrive either
                 first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-                self.stale = f"receiving weights version {version} failed ({first_line}); this server's weights are out of date"
+                self.stale = (
+                    f"receiving weights version {version} failed ({first_line}); this server's weights are out of date"
+                )
                 log.error(self.stale)
                 return
 
@@ -258,24 +329,43 @@ class InferenceServer:
                 raise BadRequest(f"timeout_s must be a number >= 0, got {request.query['timeout_s']}")
             async with self.version_changed:
                 with contextlib.suppress(asyncio.TimeoutError):  # then answer with the version serving
-                    await asyncio.wait_for(self.version_changed.wait_for(lambda: self.engine.version >= version), min(timeout, 60))
+                    await asyncio.wait_for(
+                        self.version_changed.wait_for(lambda: self.engine.version >= version), min(timeout, 60)
+                    )
         if self.stale:
-            return web.json_response({"status": "stale", "error": self.stale, "model_version": self.engine.version}, status=503)
-        return web.json_response({"status": "ok", "model": self.model_name, "model_version": self.engine.version,
-                                  "dtype": self.dtype, **self.engine.load()})
+            return web.json_response(
+                {"status": "stale", "error": self.stale, "model_version": self.engine.version}, status=503
+            )
+        return web.json_response(
+            {
+                "status": "ok",
+                "model": self.model_name,
+                "model_version": self.engine.version,
+                "dtype": self.dtype,
+                **self.engine.load(),
+            }
+        )
 
     async def metrics(self, request: web.Request) -> web.Response:
         stats = self.engine.stats
         updates = stats["updates"]
-        return web.json_response({
-            "model_version": self.engine.version, "dtype": self.dtype, "requests": self.requests, "uptime_s": time.time() - self.started,
-            "completed_sequences": stats["completed"], "generated_tokens": stats["generated_tokens"],
-            "prefill_tokens": stats["prefill_tokens"], "weight_updates": updates,
-            "decode_batch_mean": stats["decode_rows"] / stats["decode_steps"] if stats["decode_steps"] else 0.0,
-            "pause_s_total": stats["pause_s_total"], "pause_s_last": self.last_pause_s,
-            "pause_s_mean": stats["pause_s_total"] / updates if updates else 0.0, **self.engine.load(),
-        })
-
+        return web.json_response(
+            {
+                "model_version": self.engine.version,
+                "dtype": self.dtype,
+                "requests": self.requests,
+                "uptime_s": time.time() - self.started,
+                "completed_sequences": stats["completed"],
+                "generated_tokens": stats["generated_tokens"],
+                "prefill_tokens": stats["prefill_tokens"],
+                "weight_updates": updates,
+                "decode_batch_mean": stats["decode_rows"] / stats["decode_steps"] if stats["decode_steps"] else 0.0,
+                "pause_s_total": stats["pause_s_total"],
+                "pause_s_last": self.last_pause_s,
+                "pause_s_mean": stats["pause_s_total"] / updates if updates else 0.0,
+                **self.engine.load(),
+            }
+        )
 
     async def weights_digest(self, request: web.Request) -> web.Response:
         """SHA-256 of every parameter's bytes: to check that a server holds exactly the trainer's weights."""
@@ -382,7 +472,9 @@ def load_for_inference(name_or_path: str, device: str, dtype: ServerDtype = "aut
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if dtype == "auto":
         dtype = "bfloat16" if device == "cuda" else "float32"
-    model = AutoModelForCausalLM.from_pretrained(path, config=pretrained_config(path), dtype=DTYPES[dtype], attn_implementation="sdpa").to(device)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, config=pretrained_config(path), dtype=DTYPES[dtype], attn_implementation="sdpa"
+    ).to(device)
     return model, AutoTokenizer.from_pretrained(path)
 
 

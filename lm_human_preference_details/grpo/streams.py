@@ -327,7 +327,9 @@ class RedisStreamReader:
         return records
 
     def _xread(self, count: int, deadline: float) -> list[tuple[str, dict]]:
-        block_ms = math.ceil((deadline - time.monotonic()) * 1000)  # rounded up: not back before the timeout (to Redis's millisecond)
+        block_ms = math.ceil(
+            (deadline - time.monotonic()) * 1000
+        )  # rounded up: not back before the timeout (to Redis's millisecond)
         with _reaching(self._where):
             # BLOCK 0 would wait forever, so a spent deadline asks once without blocking
             block = block_ms if block_ms > 0 else None

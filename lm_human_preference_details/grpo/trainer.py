@@ -55,6 +55,7 @@ def pack(groups: list[dict], token_budget: int) -> list[list[Part]]:
     the longest completion. A group too big for the budget is split into parts of as many attempts as
     fit (at least one); parts with the longest completions go first, so parts of similar length
     share a micro-batch and little is padding."""
+
     def cost(batch: list[Part]) -> int:
         prompt = max(len(groups[i]["prompt_ids"]) for i, _, _ in batch)
         completion = max(len(a["completion_ids"]) for i, first, end in batch for a in groups[i]["attempts"][first:end])
@@ -84,7 +85,11 @@ def batch_tensors(groups: list[dict], parts: list[Part], device) -> dict[str, to
     for g in groups:
         first_sample.append(first_sample[-1] + len(g["attempts"]))
     prompts = [groups[i]["prompt_ids"] for i, _, _ in parts]
-    attempts = [(p, groups[i]["attempts"][j], first_sample[i] + j) for p, (i, first, end) in enumerate(parts) for j in range(first, end)]
+    attempts = [
+        (p, groups[i]["attempts"][j], first_sample[i] + j)
+        for p, (i, first, end) in enumerate(parts)
+        for j in range(first, end)
+    ]
     p_len, c_len = max(map(len, prompts)), max(len(a["completion_ids"]) for _, a, _ in attempts)
     # plain lists, one tensor per field: a tensor per row costs more than the model on tiny
     tensors = dict(
@@ -93,8 +98,12 @@ def batch_tensors(groups: list[dict], parts: list[Part], device) -> dict[str, to
         prompt_lengths=torch.tensor([len(p) for p in prompts]),
         rows=torch.tensor([sample for _, _, sample in attempts]),
         prompt_row=torch.tensor([p for p, _, _ in attempts]),
-        completion_ids=torch.tensor([a["completion_ids"] + [0] * (c_len - len(a["completion_ids"])) for _, a, _ in attempts]),
-        mask=torch.tensor([[1.0] * len(a["completion_ids"]) + [0.0] * (c_len - len(a["completion_ids"])) for _, a, _ in attempts]),
+        completion_ids=torch.tensor(
+            [a["completion_ids"] + [0] * (c_len - len(a["completion_ids"])) for _, a, _ in attempts]
+        ),
+        mask=torch.tensor(
+            [[1.0] * len(a["completion_ids"]) + [0.0] * (c_len - len(a["completion_ids"])) for _, a, _ in attempts]
+        ),
         behaviour=torch.tensor([a["logprobs"] + [0.0] * (c_len - len(a["logprobs"])) for _, a, _ in attempts]),
     )
     return {k: v.to(device) for k, v in tensors.items()}
@@ -108,10 +117,17 @@ def token_logprobs(model, batch: dict, temperature: float, vocab_size: int) -> t
     numbers as a forward of each prompt + completion, for a fraction of the work when completions are short."""
     # of the prompt positions only the last predicts a completion token: the output layer sees only it
     last_prompt_position = (batch["prompt_lengths"] - 1)[:, None]
-    prompt = model(input_ids=batch["prompt_ids"], attention_mask=batch["prompt_mask"], use_cache=True, logits_to_keep=last_prompt_position)
+    prompt = model(
+        input_ids=batch["prompt_ids"],
+        attention_mask=batch["prompt_mask"],
+        use_cache=True,
+        logits_to_keep=last_prompt_position,
+    )
     if not all(type(layer) is DynamicLayer for layer in prompt.cache.layers):
-        raise NotImplementedError(f"{type(model).__name__} has sliding-window or linear-attention layers: the trainer shares a "
-                                  "prompt's keys and values across its attempts, which needs full-attention layers")
+        raise NotImplementedError(
+            f"{type(model).__name__} has sliding-window or linear-attention layers: the trainer shares a "
+            "prompt's keys and values across its attempts, which needs full-attention layers"
+        )
     row = batch["prompt_row"]
     cache = DynamicCache(ddp_cache_data=[(layer.keys[row], layer.values[row]) for layer in prompt.cache.layers])
     completion_length = batch["completion_ids"].shape[1]
@@ -131,20 +147,32 @@ def check_group(group: dict, args: GRPOArgs) -> None:
     size would be split or merged by the advantage baseline, and logprobs at another temperature make pi/mu
     wrong for every token (a trainer and an actor started apart, with different flags)."""
     if len(group["attempts"]) != args.group_size:
-        raise cli.UserError(f"the stream's group for problem {group['problem_id']!r} has {len(group['attempts'])} attempts, "
-                            f"this trainer's --group-size is {args.group_size}: start the trainer with the actor's settings")
-    if group.get("temperature", args.temperature) != args.temperature:  # streams written before it was recorded: trusted
-        raise cli.UserError(f"the stream's group for problem {group['problem_id']!r} was sampled at temperature "
-                            f"{group['temperature']}, this trainer's --temperature is {args.temperature}: start the trainer "
-                            "with the actor's settings")
+        raise cli.UserError(
+            f"the stream's group for problem {group['problem_id']!r} has {len(group['attempts'])} attempts, "
+            f"this trainer's --group-size is {args.group_size}: start the trainer with the actor's settings"
+        )
+    if (
+        group.get("temperature", args.temperature) != args.temperature
+    ):  # streams written before it was recorded: trusted
+        raise cli.UserError(
+            f"the stream's group for problem {group['problem_id']!r} was sampled at temperature "
+            f"{group['temperature']}, this trainer's --temperature is {args.temperature}: start the trainer "
+            "with the actor's settings"
+        )
 
 
 def flatten_groups(groups: list[dict]) -> list[dict]:
     """Stream records (one per problem: prompt and `group_size` attempts) -> one dict per sample."""
-    return [{"prompt_ids": g["prompt_ids"], "problem_id": g["problem_id"], **attempt} for g in groups for attempt in g["attempts"]]
+    return [
+        {"prompt_ids": g["prompt_ids"], "problem_id": g["problem_id"], **attempt}
+        for g in groups
+        for attempt in g["attempts"]
+    ]
 
 
-def accumulate_gradients(model, reference, groups: list[dict], rewards: torch.Tensor, args: GRPOArgs, vocab_size: int) -> dict[str, float]:
+def accumulate_gradients(
+    model, reference, groups: list[dict], rewards: torch.Tensor, args: GRPOArgs, vocab_size: int
+) -> dict[str, float]:
     """One optimizer step's gradients, added into the parameters' `.grad` micro-batch by micro-batch (`pack`):
     the gradient of the whole step's loss (summed over its tokens, divided by its number of sequences),
     however the groups are packed. `rewards`: one per sample, in `flatten_groups` order. Returns the step's
@@ -159,9 +187,17 @@ def accumulate_gradients(model, reference, groups: list[dict], rewards: torch.Te
         new_logprobs, entropy = token_logprobs(model, batch, args.temperature, vocab_size)
         ref_logprobs = token_logprobs(reference, batch, args.temperature, vocab_size)[0].detach() if reference else None
         loss, stats = policy_loss(
-            new_logprobs, batch["behaviour"], advantages[batch["rows"]], batch["mask"],
-            num_sequences=num_sequences, loss_type=args.loss_type, ratio_cap=args.ratio_cap,
-            clip_eps=args.clip_eps, clip_eps_high=args.clip_eps_high, ref_logprobs=ref_logprobs, kl_coef=args.kl_coef,
+            new_logprobs,
+            batch["behaviour"],
+            advantages[batch["rows"]],
+            batch["mask"],
+            num_sequences=num_sequences,
+            loss_type=args.loss_type,
+            ratio_cap=args.ratio_cap,
+            clip_eps=args.clip_eps,
+            clip_eps_high=args.clip_eps_high,
+            ref_logprobs=ref_logprobs,
+            kl_coef=args.kl_coef,
         )
         loss.backward()
         n = float(batch["mask"].sum())
@@ -171,8 +207,12 @@ def accumulate_gradients(model, reference, groups: list[dict], rewards: torch.Te
         ratios.append((new_logprobs.detach() - batch["behaviour"]).exp()[batch["mask"].bool()])
         tokens += n
     ratios = torch.cat(ratios)
-    return {**{k: v / tokens for k, v in stats_sum.items()}, "entropy": entropy_sum / tokens,
-            "ratio/max": ratios.max().item(), "ess": effective_sample_size(ratios, torch.ones_like(ratios)).item()}
+    return {
+        **{k: v / tokens for k, v in stats_sum.items()},
+        "entropy": entropy_sum / tokens,
+        "ratio/max": ratios.max().item(),
+        "ess": effective_sample_size(ratios, torch.ones_like(ratios)).item(),
+    }
 
 
 def train(args: GRPOArgs, wait_for_servers: Callable[[], list[str]]) -> None:
@@ -192,12 +232,21 @@ def train(args: GRPOArgs, wait_for_servers: Callable[[], list[str]]) -> None:
     if args.resume:
         # onto the CPU first (a checkpoint saved on a GPU resumes without one); load_state_dict moves each
         # state to its parameter's device
-        optimizer.load_state_dict(torch.load(os.path.join(args.output_dir, CHECKPOINT, "optimizer.pt"), map_location="cpu"))
+        optimizer.load_state_dict(
+            torch.load(os.path.join(args.output_dir, CHECKPOINT, "optimizer.pt"), map_location="cpu")
+        )
     version, stream_position = state["version"], state["stream_position"]
     server_urls = wait_for_servers()
     # once the servers serve: a run whose servers never started leaves no wandb run or metrics behind
-    tracker = Tracker(args.output_dir, args, enabled=True, wandb_mode=args.wandb_mode, project=args.wandb_project,
-                      run_name=args.run_name_for(f"grpo_{args.mode}"), resume_after_step=version if args.resume else None)
+    tracker = Tracker(
+        args.output_dir,
+        args,
+        enabled=True,
+        wandb_mode=args.wandb_mode,
+        project=args.wandb_project,
+        run_name=args.run_name_for(f"grpo_{args.mode}"),
+        resume_after_step=version if args.resume else None,
+    )
     sender = WeightSender(server_urls, backend=args.weight_backend, host=args.trainer_host)
     # weights go out in the servers' dtype (bf16 on GPUs): they check it before receiving
     server_dtype = DTYPES[request_json("GET", f"{server_urls[0]}/health")["dtype"]]
@@ -248,18 +297,37 @@ def train(args: GRPOArgs, wait_for_servers: Callable[[], list[str]]) -> None:
         metrics = {
             "reward/mean": rewards.mean().item(),
             "success/rate": (rewards == 1).float().mean().item(),
-            "lag/min": lag.min().item(), "lag/mean": lag.float().mean().item(), "lag/max": lag.max().item(),
-            "samples_per_s": len(samples) / interval, "tokens_per_s": completion_tokens / interval,
-            "grad_norm": grad_norm.item(), "completion/length": completion_tokens / len(samples),
-            "time/wait_data_s": step_start - wait_start, "time/train_s": now - step_start - push_s,
-            "time/push_s": push_s, "time/broadcast_s": sender.last_broadcast_s, "time/elapsed_s": now - started, "samples": version * len(samples),
+            "lag/min": lag.min().item(),
+            "lag/mean": lag.float().mean().item(),
+            "lag/max": lag.max().item(),
+            "samples_per_s": len(samples) / interval,
+            "tokens_per_s": completion_tokens / interval,
+            "grad_norm": grad_norm.item(),
+            "completion/length": completion_tokens / len(samples),
+            "time/wait_data_s": step_start - wait_start,
+            "time/train_s": now - step_start - push_s,
+            "time/push_s": push_s,
+            "time/broadcast_s": sender.last_broadcast_s,
+            "time/elapsed_s": now - started,
+            "samples": version * len(samples),
             **step_stats,
         }
         tracker.log(version, metrics)
         if version % args.sample_interval == 0 or version == args.steps:
-            tracker.log_samples(version, [{"problem_id": s["problem_id"], "reward": s["reward"], "completion": s.get("text", "")}
-                                          for s in samples[: args.group_size]])
-        log.info("step %d reward %.3f lag %.2f samples/s %.1f", version, metrics["reward/mean"], metrics["lag/mean"], metrics["samples_per_s"])
+            tracker.log_samples(
+                version,
+                [
+                    {"problem_id": s["problem_id"], "reward": s["reward"], "completion": s.get("text", "")}
+                    for s in samples[: args.group_size]
+                ],
+            )
+        log.info(
+            "step %d reward %.3f lag %.2f samples/s %.1f",
+            version,
+            metrics["reward/mean"],
+            metrics["lag/mean"],
+            metrics["samples_per_s"],
+        )
         if args.save_interval and (version % args.save_interval == 0 or version == args.steps):
             save_checkpoint(args, model, tokenizer, optimizer, version, reader.position - len(buffered))
     sender.wait()
@@ -267,9 +335,25 @@ def train(args: GRPOArgs, wait_for_servers: Callable[[], list[str]]) -> None:
     tracker.finish()
 
 
-MAY_CHANGE_ON_RESUME = {"resume", "save_interval", "sample_interval", "output_dir", "wandb_mode", "wandb_project", "run_name",
-                        "steps", "servers", "num_servers", "threads", "request_timeout_s", "max_in_flight", "server_batch_size",
-                        "trainer_host", "weight_backend", "update_bucket_mb"}
+MAY_CHANGE_ON_RESUME = {
+    "resume",
+    "save_interval",
+    "sample_interval",
+    "output_dir",
+    "wandb_mode",
+    "wandb_project",
+    "run_name",
+    "steps",
+    "servers",
+    "num_servers",
+    "threads",
+    "request_timeout_s",
+    "max_in_flight",
+    "server_batch_size",
+    "trainer_host",
+    "weight_backend",
+    "update_bucket_mb",
+}
 """what a resumed run may set otherwise (how long it runs, where and how its processes run); the rest must be the
 checkpoint's: the stream position counts groups of its batch size, the optimizer state is of its settings"""
 
@@ -296,7 +380,9 @@ def checkpoint_state(args: GRPOArgs) -> dict:
         raise cli.UserError(f"--resume: no checkpoint in {args.output_dir} (none saved yet? see --save-interval)")
     with open(path) as f:
         state = json.load(f)
-    checkpoint.check_same_settings(state.get("settings"), checkpoint.settings(args), MAY_CHANGE_ON_RESUME, os.path.dirname(path))
+    checkpoint.check_same_settings(
+        state.get("settings"), checkpoint.settings(args), MAY_CHANGE_ON_RESUME, os.path.dirname(path)
+    )
     return state
 
 
@@ -314,12 +400,16 @@ def train_then_exit(args: GRPOArgs, wait_for_servers: Callable[[], list[str]]) -
 @cli.main_with_user_errors
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(message)s")
-    args = cli.parse(GRPOArgs, get_preset, "tiny", description=__doc__.split("\n\n")[0])  # the launcher's flags, this role's purpose
+    args = cli.parse(
+        GRPOArgs, get_preset, "tiny", description=__doc__.split("\n\n")[0]
+    )  # the launcher's flags, this role's purpose
     args.check()
     args.check_weight_backend()
     if args.resume:
-        raise cli.UserError("--resume: resume a run through grpo.launch, which restarts the servers with the checkpoint's "
-                            "weights and version, drops the stream's records after the checkpoint and starts the actor at its step")
+        raise cli.UserError(
+            "--resume: resume a run through grpo.launch, which restarts the servers with the checkpoint's "
+            "weights and version, drops the stream's records after the checkpoint and starts the actor at its step"
+        )
     if not args.servers:
         raise cli.UserError("--servers: the trainer alone needs the URLs of running servers (or use grpo.launch)")
     check_serving(args.servers, 0, args.model)

@@ -51,15 +51,15 @@ class ParameterSpec:
 
 def parameter_specs(model: torch.nn.Module, dtype: torch.dtype | None = None) -> list[ParameterSpec]:
     """What an update of `model` sends: every parameter (tied ones once), in `dtype` if given."""
-    return [
-        ParameterSpec(name, tuple(p.shape), DTYPE_NAMES[dtype or p.dtype]) for name, p in model.named_parameters()
-    ]
+    return [ParameterSpec(name, tuple(p.shape), DTYPE_NAMES[dtype or p.dtype]) for name, p in model.named_parameters()]
 
 
 def digest(model: torch.nn.Module) -> dict[str, str]:
     """SHA-256 of each parameter's bytes (equal digests: bitwise equal weights)."""
-    return {name: hashlib.sha256(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
-            for name, p in model.named_parameters()}
+    return {
+        name: hashlib.sha256(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+        for name, p in model.named_parameters()
+    }
 
 
 def mismatches(expected: list[ParameterSpec], offered: list[ParameterSpec]) -> list[str]:
@@ -81,8 +81,15 @@ def mismatches(expected: list[ParameterSpec], offered: list[ParameterSpec]) -> l
 class WeightGroup:
     """A process group of its own between the trainer (rank 0) and one or more servers."""
 
-    def __init__(self, init_method: str, rank: int, world_size: int, backend: str = "gloo", timeout_s: float = 300,
-                 store: dist.TCPStore | None = None):
+    def __init__(
+        self,
+        init_method: str,
+        rank: int,
+        world_size: int,
+        backend: str = "gloo",
+        timeout_s: float = 300,
+        store: dist.TCPStore | None = None,
+    ):
         """Joins the group whose rank 0 listens at `init_method` (tcp://HOST:PORT); rank 0 passes the
         store it listens with (`listening_store`), whose port `init_method` names."""
         url = urlparse(init_method)
@@ -93,7 +100,9 @@ class WeightGroup:
         if (rank == 0) != (store is not None) or store is not None and store.port != url.port:
             raise ValueError(f"rank {rank}: rank 0, and only rank 0, passes the listening_store at {init_method}")
         timeout = datetime.timedelta(seconds=timeout_s)
-        self.store = store if store is not None else dist.TCPStore(url.hostname, url.port, world_size, False, timeout=timeout)
+        self.store = (
+            store if store is not None else dist.TCPStore(url.hostname, url.port, world_size, False, timeout=timeout)
+        )
         prefixed = dist.PrefixStore("weights", self.store)
         if backend == "gloo":
             self.group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
@@ -167,15 +176,21 @@ def on_stream(stream: "torch.cuda.Stream | None"):
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
-def receive_tensors(group: WeightGroup, specs: list[ParameterSpec], device, bucket_bytes: int = 0) -> list[torch.Tensor]:
+def receive_tensors(
+    group: WeightGroup, specs: list[ParameterSpec], device, bucket_bytes: int = 0
+) -> list[torch.Tensor]:
     """Server side: one broadcast per bucket (`buckets`; a bucket of one tensor when bucket_bytes is 0),
     each into a fresh flat buffer (the model is not touched); returns one tensor per spec once every
     broadcast has arrived (on a GPU: on `transfer_stream`, waited for by the host)."""
     plan = buckets(specs, bucket_bytes)
     stream = transfer_stream(torch.device(device))
     with on_stream(stream):
-        flat = [torch.empty(sum(math.prod(specs[i].shape) for i in bucket), dtype=DTYPES[specs[bucket[0]].dtype], device=device)
-                for bucket in plan]
+        flat = [
+            torch.empty(
+                sum(math.prod(specs[i].shape) for i in bucket), dtype=DTYPES[specs[bucket[0]].dtype], device=device
+            )
+            for bucket in plan
+        ]
         for work in [group.broadcast(buffer) for buffer in flat]:
             work.wait()
     if stream is not None:
@@ -205,10 +220,16 @@ class WeightSender:
             init_method = f"tcp://{host}:{store.port}"
             built: dict = {}
             # our side of the rendezvous waits for the server's: build it aside while the server is asked
-            rendezvous = threading.Thread(target=_build_group_into, args=(built, init_method, backend, timeout_s, store), daemon=True)
+            rendezvous = threading.Thread(
+                target=_build_group_into, args=(built, init_method, backend, timeout_s, store), daemon=True
+            )
             rendezvous.start()
-            request_json("POST", f"{url}/init_process_group", {
-                "init_method": init_method, "rank": 1, "world_size": 2, "backend": backend}, timeout_s=timeout_s)
+            request_json(
+                "POST",
+                f"{url}/init_process_group",
+                {"init_method": init_method, "rank": 1, "world_size": 2, "backend": backend},
+                timeout_s=timeout_s,
+            )
             rendezvous.join()
             if "error" in built:
                 raise built["error"]
@@ -222,7 +243,9 @@ class WeightSender:
         self.last_broadcast_s = 0.0  # announce to received, of the last push that completed
         threading.Thread(target=self._send_forever, name="weight-sender", daemon=True).start()
 
-    def push(self, model: torch.nn.Module, version: int, dtype: torch.dtype | None = None, bucket_bytes: int = 0) -> list[str]:
+    def push(
+        self, model: torch.nn.Module, version: int, dtype: torch.dtype | None = None, bucket_bytes: int = 0
+    ) -> list[str]:
         """Snapshot the parameters and hand them to the sender thread (announce to every live server,
         then one broadcast per tensor, or per bucket of at most `bucket_bytes`), so the next optimizer
         step overlaps the transfer. Blocks only while an earlier snapshot still waits its turn (one is
@@ -252,8 +275,10 @@ class WeightSender:
         them, would wait forever: so would a trainer waiting for its samples, which calls this meanwhile)."""
         self._raise_if_failed()
         if not self.groups and self._ever_dropped:
-            raise RuntimeError(f"every server was dropped from weight updates ({', '.join(self._ever_dropped)}): "
-                               "no weights can reach the servers any more; see their logs")
+            raise RuntimeError(
+                f"every server was dropped from weight updates ({', '.join(self._ever_dropped)}): "
+                "no weights can reach the servers any more; see their logs"
+            )
 
     def _raise_if_failed(self) -> None:
         if self._failed is not None:
@@ -276,7 +301,9 @@ class WeightSender:
             finally:
                 self._queue.task_done()
 
-    def _send(self, specs: list[ParameterSpec], snapshot: list[torch.Tensor], copied, version: int, bucket_bytes: int) -> None:
+    def _send(
+        self, specs: list[ParameterSpec], snapshot: list[torch.Tensor], copied, version: int, bucket_bytes: int
+    ) -> None:
         start = time.perf_counter()
         payload = {"version": version, "parameters": [s.to_json() for s in specs], "bucket_bytes": bucket_bytes}
         announced, refusal = [], None
@@ -285,13 +312,16 @@ class WeightSender:
                 reply = request_json("POST", f"{url}/request_weight_update", payload, timeout_s=self.timeout_s)
                 if reply.get("bucket_bytes", 0) != bucket_bytes:  # a server that ignores buckets waits for other
                     # broadcasts than ours: it gets none, and the run fails
-                    raise ServerError(f"{url} does not take weight updates in buckets ({bucket_bytes} bytes): "
-                                      f"update the server or use --update-bucket-mb 0", status=400)
+                    raise ServerError(
+                        f"{url} does not take weight updates in buckets ({bucket_bytes} bytes): "
+                        f"update the server or use --update-bucket-mb 0",
+                        status=400,
+                    )
                 announced.append(url)
             except ServerError as error:
                 if error.status is not None:  # refused: raised by push, check and wait once the servers that
-                    refusal = error            # accepted have this update (they wait for it: a trainer that
-                    break                      # stopped now would leave them stale)
+                    refusal = error  # accepted have this update (they wait for it: a trainer that
+                    break  # stopped now would leave them stale)
                 self._drop(url, error)
         stream = transfer_stream(snapshot[0].device) if copied is not None else None
         with on_stream(stream):
@@ -334,4 +364,6 @@ def _build_group_into(built: dict, init_method: str, backend: str, timeout_s: fl
 def listening_store(host: str, world_size: int, timeout_s: float = 300) -> dist.TCPStore:
     """Rank 0's store of a new group, listening on a port the OS picks (`.port`): a port chosen
     beforehand could be taken by another process before the store binds it."""
-    return dist.TCPStore(host, 0, world_size, True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+    return dist.TCPStore(
+        host, 0, world_size, True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
+    )

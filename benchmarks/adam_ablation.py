@@ -101,8 +101,8 @@ def summarize(runs: dict[int, dict[str, list[dict]]], updates: int) -> dict[str,
 
 def markdown(args: Args, summary: dict) -> str:
     lines = [
-        f"TF-style vs torch Adam, `{args.task}` preset, stage 2 on one reward model, seeds {' '.join(map(str, args.seeds))} "
-        f"(mean over seeds).",
+        f"TF-style vs torch Adam, `{args.task}` preset, stage 2 on one reward model, "
+        f"seeds {' '.join(map(str, args.seeds))} (mean over seeds).",
         "",
     ]
     for window, by_optimizer in summary.items():

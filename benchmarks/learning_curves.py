@@ -2,7 +2,8 @@
 
     python benchmarks/learning_curves.py --task tiny --seeds 1 2 3 --out-dir benchmarks/results/tiny
     python benchmarks/learning_curves.py --task tiny --seeds 1 2 3 --out-dir runs/curves -- --ppo.optimizer adam_torch
-    python benchmarks/learning_curves.py --stage grpo.launch --task tiny --seeds 1 2 3 --out-dir runs/grpo-curves -- --mode sync
+    python benchmarks/learning_curves.py --stage grpo.launch --task tiny --seeds 1 2 3 --out-dir runs/grpo-curves \
+        -- --mode sync
 
 Flags after `--` go to the stage script unchanged. Writes `<out-dir>/seed_<s>/` (each run),
 `<out-dir>/curves.csv` in the long format (step, metric, value, seed, source) and one PNG per metric.

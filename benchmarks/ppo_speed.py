@@ -267,8 +267,9 @@ def compare(args: Args, shape: Args, names: list[str], reward_model: str, label:
 
 def markdown(args: Args, main: dict, scaling: list[dict]) -> str:
     lines = [
-        f"One PPO update on the `tiny` model: batch {args.batch_size}, {args.query_length} query + {args.response_length} response "
-        f"tokens, {args.epochs} epochs, 1 minibatch; median of {args.repeats} processes x {args.updates} updates, "
+        f"One PPO update on the `tiny` model: batch {args.batch_size}, {args.query_length} query + "
+        f"{args.response_length} response tokens, {args.epochs} epochs, 1 minibatch; "
+        f"median of {args.repeats} processes x {args.updates} updates, "
         f"{machine(args.device)}"
         + (
             " (host memory: mostly the CUDA context, not comparable across implementations)"
@@ -277,13 +278,15 @@ def markdown(args: Args, main: dict, scaling: list[dict]) -> str:
         )
         + ".",
         "",
-        "| implementation | s / update | episodes/s | peak host memory (MiB) | time / raw compute | ours' episodes/s / this |",
+        "| implementation | s / update | episodes/s | peak host memory (MiB) | time / raw compute "
+        "| ours' episodes/s / this |",
         "|---|---|---|---|---|---|",
     ]
     for name, m in main.items():
         lines.append(
             f"| {name} | {m['s_per_update']:.3f} | {m['episodes_per_s']:.0f} | {m['peak_mib']} | "
-            f"{m['s_per_update'] / main['raw']['s_per_update']:.2f}x | {main['ours']['episodes_per_s'] / m['episodes_per_s']:.2f}x |"
+            f"{m['s_per_update'] / main['raw']['s_per_update']:.2f}x "
+            f"| {main['ours']['episodes_per_s'] / m['episodes_per_s']:.2f}x |"
         )
     if scaling:
         lines += [
@@ -295,7 +298,8 @@ def markdown(args: Args, main: dict, scaling: list[dict]) -> str:
         ]
         for s in scaling:
             lines.append(
-                f"| {s['batch_size']} | {s['response_length']} | {s['ours']:.3f} | {s['raw']:.3f} | {s['ours'] / s['raw']:.2f}x |"
+                f"| {s['batch_size']} | {s['response_length']} | {s['ours']:.3f} | {s['raw']:.3f} "
+                f"| {s['ours'] / s['raw']:.2f}x |"
             )
     return "\n".join(lines) + "\n"
 

@@ -295,7 +295,7 @@ def test_gpu_sh_writes_every_speed_table_of_ppo_speed_and_grpo_speed(tmp_path):
     test of both speed scripts: every table they make, every kind of row but grpo_speed's two flag
     variants of a launch (per-tensor updates, one thread per process: the schedules test above and
     tests/test_grpo_launch.py), and TRL's rows where LMHPD_TRL_PYTHON and LMHPD_TRL116_PYTHON name an
-    environment with it, as .ci/run makes them."""
+    environment with it, as tests/run.sh makes them."""
     trl_python, trl116_python = os.environ.get("LMHPD_TRL_PYTHON"), os.environ.get("LMHPD_TRL116_PYTHON")
     out = tmp_path / "out"
     done = subprocess.run(
@@ -365,6 +365,6 @@ def test_gpu_sh_writes_every_speed_table_of_ppo_speed_and_grpo_speed(tmp_path):
     ]
     if missing:
         pytest.skip(
-            f"{' and '.join(missing)} not set (python -m venv --system-site-packages .venv-trl && .venv-trl/bin/pip "
-            "install --no-deps trl==1.12.0; the same with .venv-trl116 and trl==1.16.0): TRL's rows not compared"
+            f"{' and '.join(missing)} not set: TRL's rows not compared (bash tests/run.sh makes TRL's environments "
+            "and sets both)"
         )

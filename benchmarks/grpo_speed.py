@@ -271,7 +271,7 @@ def time_weight_updates(model: str, updates: int, bucket_mb: float, device: Devi
     import torch
 
     from lm_human_preference_details.grpo.client import ServerProcess, request_json
-    from lm_human_preference_details.grpo.weights import DTYPES, WeightSender, buckets, parameter_specs
+    from lm_human_preference_details.grpo.weights import WeightSender, buckets, parameter_specs, served_dtype
     from lm_human_preference_details.models import load_causal_lm
 
     with open(log_path, "wb") as log:  # the child keeps its own handle
@@ -282,9 +282,7 @@ def time_weight_updates(model: str, updates: int, bucket_mb: float, device: Devi
     try:
         url = server_process.wait_until_serving()
         trainer_model = load_causal_lm(model).to(device)
-        server_dtype = DTYPES[
-            request_json("GET", f"{url}/health")["dtype"]
-        ]  # bf16 on a GPU; the trainer sends it so too
+        server_dtype = served_dtype(url)  # bf16 on a GPU; the trainer sends it so too
         sender = WeightSender([url])
         busy = threading.Event()
         load = threading.Thread(target=_keep_generating, args=(url, busy), daemon=True)
@@ -356,16 +354,16 @@ def run_settings(args: Args):
 def raw_step_times(args: Args) -> list[float]:
     """The compute of an optimizer step alone, one process, nothing overlapped or sent anywhere:
     sample the step's completions (a prefill of every row, each prompt group_size times where the
-    servers prefill it once, then one cached forward per token for the whole batch), score them, one forward and backward of the policy over prompt + completion
-    with the run's loss (on policy: ratio 1), clip, one optimizer step. Seconds per step."""
+    servers prefill it once, then one cached forward per token for the whole batch), score them, one forward and
+    backward of the policy over prompt + completion with the run's loss (on policy: ratio 1), clip, one optimizer
+    step. Seconds per step."""
     import torch
     from transformers import AutoTokenizer
 
     from lm_human_preference_details.assets import resolve_model_path
-    from lm_human_preference_details.grpo.config import load_task_problems
     from lm_human_preference_details.grpo.engine import sample_tokens
-    from lm_human_preference_details.grpo.rewards import integer_reward, math_reward
-    from lm_human_preference_details.grpo_loss import group_advantages, policy_loss
+    from lm_human_preference_details.grpo.loss import group_advantages, policy_loss
+    from lm_human_preference_details.grpo.rewards import integer_reward, load_task_problems, math_reward
     from lm_human_preference_details.models import load_causal_lm, logprobs_of
     from lm_human_preference_details.optim import make_optimizer
 
@@ -457,8 +455,7 @@ def trl_step_times(args: Args) -> list[float]:
     from trl import GRPOConfig, GRPOTrainer
 
     from lm_human_preference_details.assets import resolve_model_path
-    from lm_human_preference_details.grpo.config import load_task_problems
-    from lm_human_preference_details.grpo.rewards import math_reward
+    from lm_human_preference_details.grpo.rewards import load_task_problems, math_reward
 
     settings = run_settings(args)
     problems = load_task_problems(settings)
@@ -564,10 +561,10 @@ def markdown(args: Args, runs: dict[str, list[dict]], updates: list[dict], scale
     pipeline = med["pipeline"]
     flags = f", every launch with `{' '.join(args.extra)}`" if args.extra else ""
     lines = [
-        f"GRPO `{args.task}` preset{flags}, {args.steps} optimizer steps per run, median of {args.repeats} runs per schedule, "
-        f"{machine(args.device)}. Every column is over the steps after the first fifth (start-up is no schedule's); "
-        "cores busy and CPU per sample are the whole machine's, so that samples/s = 1000 x cores busy / CPU ms per sample "
-        "(a schedule is faster by keeping more cores busy or by spending less CPU on a sample).",
+        f"GRPO `{args.task}` preset{flags}, {args.steps} optimizer steps per run, median of {args.repeats} runs per "
+        f"schedule, {machine(args.device)}. Every column is over the steps after the first fifth (start-up is no "
+        "schedule's); cores busy and CPU per sample are the whole machine's, so that samples/s = 1000 x cores busy / "
+        "CPU ms per sample (a schedule is faster by keeping more cores busy or by spending less CPU on a sample).",
         "",
         "| schedule | samples/s | tokens/s | tokens/sample | mean lag (steps) | success, last 20 steps | cores busy | "
         "CPU ms/sample | pipeline / this (samples/s) | per round |",
@@ -628,7 +625,8 @@ def markdown(args: Args, runs: dict[str, list[dict]], updates: list[dict], scale
         ]
         for row in scaled:
             lines.append(
-                f"| {row['batch']} | {row['tokens']} | {row[pipeline]:.3f} | {row[sync]:.3f} | {row[sync] / row[pipeline]:.2f}x |"
+                f"| {row['batch']} | {row['tokens']} | {row[pipeline]:.3f} | {row[sync]:.3f} | "
+                f"{row[sync] / row[pipeline]:.2f}x |"
             )
     return "\n".join(lines) + "\n"
 

@@ -1,15 +1,19 @@
 """Save and resume a run: model, optimizer, every process's RNG states, and the loop's own state.
 
-A checkpoint is a folder `<output_dir>/checkpoint/`, replaced atomically (written beside it, then
-renamed), so a run killed while saving still has its previous checkpoint. It records the run's
-settings, and a resume with other settings (a batch size, a learning rate, the reward model) is refused:
-the loop's state (query position, LR schedule, optimizer) only means something under the old ones.
+A checkpoint is a folder `<output_dir>/checkpoint/` (`folder`), replaced atomically (written beside it by
+`staged`, then renamed into place by `swap_in`), so a run killed while saving still has its previous
+checkpoint. It records the run's settings, and a resume with other settings (a batch size, a learning rate,
+the reward model) is refused: the loop's state (query position, LR schedule, optimizer) only means something
+under the old ones. `save` / `saved` / `load` are the PPO stages' checkpoint; the GRPO trainer writes its own
+files (a model folder the servers load) through the same `staged`, `state_file` and `check_same_settings`.
 """
 
+import contextlib
 import dataclasses
 import os
 import random
 import shutil
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -33,6 +37,39 @@ def set_rng_state(state: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
+
+
+def folder(output_dir: str) -> str:
+    """The run's checkpoint folder."""
+    return os.path.join(output_dir, "checkpoint")
+
+
+@contextlib.contextmanager
+def staged(final: str, accelerator=None) -> Iterator[str]:
+    """A fresh folder beside `final` to write the new checkpoint into; when the block ends it is `swap_in`ed as
+    `final` (a block that raises leaves `final` as it was). Under accelerate every process enters the block and
+    may write into the folder: the main process makes it and swaps it in, with the others waiting at each step."""
+    main = accelerator is None or accelerator.is_main_process
+    wait_for_everyone = accelerator.wait_for_everyone if accelerator is not None else lambda: None
+    staging = final + ".saving"
+    if main:
+        shutil.rmtree(staging, ignore_errors=True)
+        os.makedirs(staging)
+    wait_for_everyone()
+    yield staging
+    wait_for_everyone()
+    if main:
+        swap_in(staging, final)
+    wait_for_everyone()
+
+
+def state_file(final: str, name: str) -> str | None:
+    """The path of the checkpoint `final`'s file `name`, which a complete checkpoint has (`staged` writes it
+    whole or not at all); None when there is no checkpoint. A save killed between `swap_in`'s renames is put
+    back first (`recover`)."""
+    recover(final)
+    path = os.path.join(final, name)
+    return path if os.path.exists(path) else None
 
 
 def swap_in(staging: str, final: str) -> None:
@@ -97,42 +134,31 @@ def check_same_settings(saved: dict | None, current: dict, may_differ: set[str],
 
 def save(output_dir: str, accelerator, model, optimizer, loop_state: dict) -> None:
     """All processes call this: each writes its RNG state, the main process the rest."""
-    final = os.path.join(output_dir, "checkpoint")
-    staging = final + ".saving"
-    if accelerator.is_main_process:
-        shutil.rmtree(staging, ignore_errors=True)
-        os.makedirs(staging)
-    accelerator.wait_for_everyone()
-    torch.save(rng_state(accelerator.device), os.path.join(staging, f"rng_{accelerator.process_index}.pt"))
-    if accelerator.is_main_process:
-        torch.save(
-            {
-                "model": accelerator.unwrap_model(model).state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "loop": loop_state,
-            },
-            os.path.join(staging, "state.pt"),
-        )
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        swap_in(staging, final)
-    accelerator.wait_for_everyone()
+    with staged(folder(output_dir), accelerator) as staging:
+        torch.save(rng_state(accelerator.device), os.path.join(staging, f"rng_{accelerator.process_index}.pt"))
+        if accelerator.is_main_process:
+            torch.save(
+                {
+                    "model": accelerator.unwrap_model(model).state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "loop": loop_state,
+                },
+                os.path.join(staging, "state.pt"),
+            )
 
 
 def saved(output_dir: str, accelerator) -> bool:
     """Whether `output_dir` has a checkpoint to resume (the same answer on every process)."""
-    path = os.path.join(output_dir, "checkpoint")
     found = [False]
     if accelerator.is_main_process:
-        recover(path)
-        found[0] = os.path.exists(os.path.join(path, "state.pt"))
+        found[0] = state_file(folder(output_dir), "state.pt") is not None
     broadcast_object_list(found)
     return found[0]
 
 
 def load(output_dir: str, accelerator, model, optimizer) -> dict:
     """Restore what `save` wrote into `model` and `optimizer`; returns the loop state."""
-    path = os.path.join(output_dir, "checkpoint")
+    path = folder(output_dir)
     if not saved(output_dir, accelerator):
         raise UserError(
             f"--resume: no checkpoint in {path}; run without --resume, or point --output-dir at the run to resume"

@@ -8,6 +8,7 @@ Only the main process logs; the others get a Tracker that does nothing.
 import dataclasses
 import json
 import os
+import sys
 import uuid
 from dataclasses import dataclass
 from typing import Literal
@@ -37,11 +38,12 @@ class RunArgs:
 
 class Tracker:
     @classmethod
-    def for_run(cls, args: RunArgs, stage: str, accelerator, resume_after_step: int | None = None) -> "Tracker":
+    def for_run(cls, args: RunArgs, stage: str, accelerator=None, resume_after_step: int | None = None) -> "Tracker":
+        """The run's tracker; under accelerate (`accelerator`) only the main process writes."""
         return cls(
             args.output_dir,
             args,
-            enabled=accelerator.is_main_process,
+            enabled=accelerator is None or accelerator.is_main_process,
             wandb_mode=args.wandb_mode,
             project=args.wandb_project,
             run_name=args.run_name_for(stage),
@@ -128,6 +130,24 @@ class Tracker:
         self.samples_file.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def progress_bar(total: int, desc: str, unit: str, *, enabled: bool = True, initial: int = 0):
+    """A tqdm bar on stderr for a long phase (labels made, reward-model batches, PPO updates), as the Hugging
+    Face libraries show one: only where `enabled` (the main process) and only while stderr is a terminal
+    (tqdm's `disable=None`), so logs and tests get the phase's own lines and no redraws. Lines printed while it
+    runs go through its `write`, which puts them above the bar (a plain print would break the bar's line)."""
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total,
+        initial=initial,
+        desc=desc,
+        unit=unit,
+        file=sys.stderr,
+        disable=None if enabled else True,
+        dynamic_ncols=True,
+    )
 
 
 def _open_log(path: str, keep_up_to_step: int | None):

@@ -68,3 +68,27 @@ def test_a_process_on_a_gpu_saves_and_restores_the_random_state_of_its_own_gpu_o
     assert calls == [("get", gpu), ("set", gpu, [7])]
     checkpoint.set_rng_state(checkpoint.rng_state(torch.device("cpu")), gpu)  # saved on the CPU: nothing to restore
     assert "cuda" not in checkpoint.rng_state(torch.device("cpu")) and len(calls) == 2
+
+
+def test_a_staged_checkpoint_replaces_the_previous_one_whole_or_not_at_all(tmp_path):
+    """A block that fails leaves the previous checkpoint as it was; the next save clears what it left half written.
+    `state_file` finds a checkpoint's file, also one that a save killed between its renames left as `.old`."""
+    final = str(tmp_path / "checkpoint")
+    assert checkpoint.folder(str(tmp_path)) == final and checkpoint.state_file(final, "state.json") is None
+    with checkpoint.staged(final) as staging:
+        (tmp_path / "checkpoint.saving" / "state.json").write_text("1")
+        assert staging == final + ".saving" and not os.path.exists(final)
+    assert (tmp_path / "checkpoint" / "state.json").read_text() == "1"
+    with pytest.raises(RuntimeError, match="killed mid-save"), checkpoint.staged(final) as staging:
+        (tmp_path / "checkpoint.saving" / "half.pt").write_text("half")
+        raise RuntimeError("killed mid-save")
+    assert sorted(os.listdir(final)) == ["state.json"]
+    with checkpoint.staged(final):
+        assert os.listdir(final + ".saving") == []  # the failed save's file is gone
+        (tmp_path / "checkpoint.saving" / "state.json").write_text("2")
+    assert (
+        sorted(os.listdir(tmp_path)) == ["checkpoint"] and (tmp_path / "checkpoint" / "state.json").read_text() == "2"
+    )
+    os.rename(final, final + ".old")
+    assert checkpoint.state_file(final, "state.json") == os.path.join(final, "state.json")
+    assert checkpoint.state_file(final, "state.pt") is None

@@ -1,7 +1,7 @@
-"""The engine (in process) and the trainer's view of the same tokens: logprobs, continuous batching,
-weights swapped between two decode steps while sequences carry on with their KV cache."""
+"""The engine (in process): logprobs, continuous batching, weights swapped between two decode steps while
+sequences carry on with their KV cache; and the settings' checks and the actor's schedule (the trainer's side
+of the same tokens: tests/test_grpo_trainer.py)."""
 
-import copy
 import threading
 import time
 
@@ -12,14 +12,6 @@ from lm_human_preference_details.assets import tiny_math_prompt
 from lm_human_preference_details.grpo.config import GRPOArgs, get_preset
 from lm_human_preference_details.grpo.engine import Engine, GenerationRequest, sample_tokens
 from lm_human_preference_details.grpo.server import load_for_inference
-from lm_human_preference_details.grpo.trainer import (
-    accumulate_gradients,
-    batch_tensors,
-    check_group,
-    flatten_groups,
-    pack,
-    token_logprobs,
-)
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +28,7 @@ def full_forward_logprobs(model, prompt_ids, token_ids, temperature, vocab_size)
 
 def test_a_temperature_that_would_turn_the_batch_into_nan_is_refused_before_it_is_queued(tiny_math):
     model, tokenizer = tiny_math
-    engine = Engine(model, max_batch_size=4, seed=0, vocab_size=len(tokenizer)).start()
-    try:
+    with Engine(model, max_batch_size=4, seed=0, vocab_size=len(tokenizer)) as engine:
         prompt = tokenizer(tiny_math_prompt(1, 2))["input_ids"]
         for temperature in (1e-50, 0.0, float("nan")):  # 1e-50 is 0 in float32: logits / 0
             with pytest.raises(ValueError, match=r"temperature .*: expected a finite number >= 0.0001"):
@@ -50,15 +41,12 @@ def test_a_temperature_that_would_turn_the_batch_into_nan_is_refused_before_it_i
             )
             >= 1
         )
-    finally:
-        engine.stop()
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_logprobs_are_those_of_a_full_forward_pass(tiny_math, temperature):
     model, tokenizer = tiny_math
-    engine = Engine(model, max_batch_size=4, seed=0, vocab_size=len(tokenizer)).start()
-    try:
+    with Engine(model, max_batch_size=4, seed=0, vocab_size=len(tokenizer)) as engine:
         prompts = [tokenizer(tiny_math_prompt(a, b))["input_ids"] for a in range(3) for b in range(4)]
         prompts[0] = tokenizer("12+34=\\boxed{")["input_ids"]  # another length: rows of the cache differ
         futures = [engine.submit(GenerationRequest(p, max_new_tokens=12, temperature=temperature)) for p in prompts]
@@ -67,8 +55,6 @@ def test_logprobs_are_those_of_a_full_forward_pass(tiny_math, temperature):
             assert len(generation.token_ids) == 12 and generation.finish_reason == "length"
             expected = full_forward_logprobs(model, prompt, generation.token_ids, temperature, len(tokenizer))
             torch.testing.assert_close(torch.tensor(generation.logprobs), expected, atol=2e-5, rtol=0)
-    finally:
-        engine.stop()
 
 
 def assert_full_forward_logprobs(model, tokenizer, requests, futures):
@@ -90,16 +76,12 @@ def test_cache_columns_move_grow_and_are_dropped_without_changing_logprobs(tiny_
     long = tokenizer("".join(tiny_math_prompt(a, b) for a in range(3) for b in range(3)))["input_ids"]
     assert len(long) > 64 + 11
 
-    engine = Engine(model, max_batch_size=4, seed=1, vocab_size=len(tokenizer)).start()
-    try:
+    with Engine(model, max_batch_size=4, seed=1, vocab_size=len(tokenizer)) as engine:
         for prompt in (short[0], long):  # the second arrives with no row live
             request = GenerationRequest(prompt, max_new_tokens=8)
             assert_full_forward_logprobs(model, tokenizer, [request], [engine.submit(request)])
-    finally:
-        engine.stop()
 
-    engine = Engine(model, max_batch_size=4, seed=2, vocab_size=len(tokenizer)).start()
-    try:
+    with Engine(model, max_batch_size=4, seed=2, vocab_size=len(tokenizer)) as engine:
         requests = [GenerationRequest(p, max_new_tokens=n) for p, n in zip(short, [70, 20, 45, 9, 60])]
         futures = engine.submit_many(requests)
         while not engine.stats["decode_steps"]:
@@ -112,17 +94,12 @@ def test_cache_columns_move_grow_and_are_dropped_without_changing_logprobs(tiny_
         resume.set()
         assert_full_forward_logprobs(model, tokenizer, requests, futures)
         assert engine._batch.mask.shape[1] >= 256  # grown for the long prompt (128), then doubled
-    finally:
-        engine.stop()
 
-    engine = Engine(model, max_batch_size=4, seed=3, vocab_size=len(tokenizer)).start()
-    try:
+    with Engine(model, max_batch_size=4, seed=3, vocab_size=len(tokenizer)) as engine:
         # rows of 11 + at most 20 columns refilled as they finish: 80 decode steps in 64 columns
         requests = [GenerationRequest(short[i % 5], max_new_tokens=(6, 11, 16, 20)[i % 4]) for i in range(24)]
         assert_full_forward_logprobs(model, tokenizer, requests, engine.submit_many(requests))
         assert engine.stats["decode_steps"] > 64 and engine._batch.mask.shape[1] == 64
-    finally:
-        engine.stop()
 
 
 def test_samples_of_one_prompt_share_its_prefill(tiny_math):
@@ -131,22 +108,18 @@ def test_samples_of_one_prompt_share_its_prefill(tiny_math):
     first, second = (tokenizer(tiny_math_prompt(a, 2))["input_ids"] for a in (1, 3))
     requests = [GenerationRequest(first, 6)] * 5 + [GenerationRequest(second, 6)] * 3
     futures = engine.submit_many(requests)  # queued before the engine starts: one admission
-    engine.start()
-    try:
+    with engine:
         generations = [f.result(timeout=60) for f in futures]
         assert engine.stats["prefill_tokens"] == len(first) + len(second)  # not 5 x first + 3 x second
         assert len({tuple(g.token_ids) for g in generations[:5]}) > 1  # each row samples on its own
         for request, generation in zip(requests, generations):
             expected = full_forward_logprobs(model, request.prompt_ids, generation.token_ids, 1.0, len(tokenizer))
             torch.testing.assert_close(torch.tensor(generation.logprobs), expected, atol=2e-5, rtol=0)
-    finally:
-        engine.stop()
 
 
 def test_finished_slots_are_refilled_and_stop_tokens_end_sequences(tiny_math):
     model, tokenizer = tiny_math
-    engine = Engine(model, max_batch_size=4, seed=0, vocab_size=len(tokenizer)).start()
-    try:
+    with Engine(model, max_batch_size=4, seed=0, vocab_size=len(tokenizer)) as engine:
         prompt = tokenizer(tiny_math_prompt(1, 2))["input_ids"]
         lengths = [2, 9, 3, 7, 4, 8, 5, 6, 2, 9, 3, 7, 4, 8, 5, 6]
         # queued at once (submitted one by one, the engine could start on part of them)
@@ -163,8 +136,6 @@ def test_finished_slots_are_refilled_and_stop_tokens_end_sequences(tiny_math):
         ).result(timeout=60)
         assert stopped.finish_reason == "stop" and stopped.token_ids[-1] == tokenizer.eos_token_id
         assert tokenizer.eos_token_id not in stopped.token_ids[:-1]
-    finally:
-        engine.stop()
 
 
 def test_sample_tokens_draws_each_row_from_its_distribution(monkeypatch):
@@ -179,7 +150,7 @@ def test_sample_tokens_draws_each_row_from_its_distribution(monkeypatch):
     # run past the last entry; an entry whose exp underflows is a zero too
     one_token = torch.log_softmax(torch.tensor([[-200.0, -200.0, 5.0, -200.0, -200.0]]), -1)
     for draw in (0.0, 1.0):
-        monkeypatch.setattr(torch, "rand", lambda shape, **kw: torch.full(shape, draw, dtype=kw["dtype"]))
+        monkeypatch.setattr(torch, "rand", lambda shape, draw=draw, **kw: torch.full(shape, draw, dtype=kw["dtype"]))
         assert sample_tokens(one_token, torch.Generator()).tolist() == [2]
     monkeypatch.undo()
     with pytest.raises(ValueError, match="NaN or all -inf"):
@@ -217,16 +188,13 @@ def test_rows_of_different_temperatures_keep_theirs_when_rows_move(tiny_math):
     """Each row samples at its own request's temperature, also after finished rows are refilled and
     live rows move into their places."""
     model, tokenizer = tiny_math
-    engine = Engine(model, max_batch_size=3, seed=4, vocab_size=len(tokenizer)).start()
-    try:
+    with Engine(model, max_batch_size=3, seed=4, vocab_size=len(tokenizer)) as engine:
         prompts = [tokenizer(tiny_math_prompt(a, 3))["input_ids"] for a in range(4)]
         requests = [
             GenerationRequest(prompts[i % 4], max_new_tokens=(3, 9, 5, 12)[i % 4], temperature=(0.6, 1.4)[i % 2])
             for i in range(10)
         ]
         assert_full_forward_logprobs(model, tokenizer, requests, engine.submit_many(requests))
-    finally:
-        engine.stop()
 
 
 def test_bad_requests_are_refused_before_queueing(tiny_math):
@@ -245,8 +213,7 @@ def test_weights_change_between_decode_steps_and_sequences_keep_their_cache(tiny
     model = type(model)(model.config)
     model.load_state_dict(load_for_inference("tiny-math", "cpu")[0].state_dict())
     new_weights = {name: p.detach() + 0.05 * torch.randn_like(p) for name, p in model.named_parameters()}
-    engine = Engine(model.eval(), max_batch_size=8, seed=1, vocab_size=len(tokenizer)).start()
-    try:
+    with Engine(model.eval(), max_batch_size=8, seed=1, vocab_size=len(tokenizer)) as engine:
         prompts = [tokenizer(tiny_math_prompt(a, 1))["input_ids"] for a in range(8)]
         futures = [engine.submit(GenerationRequest(p, max_new_tokens=200, temperature=1.0)) for p in prompts]
         while engine.stats["generated_tokens"] < 8 * 20:  # well into decoding
@@ -269,141 +236,6 @@ def test_weights_change_between_decode_steps_and_sequences_keep_their_cache(tiny
             # new weights: the later tokens' logprobs are not those of a full pass with the new weights
             new_full = full_forward_logprobs(model, prompt, g.token_ids, 1.0, len(tokenizer))
             assert not torch.allclose(torch.tensor(g.logprobs[switch:]), new_full[switch:], atol=1e-4)
-    finally:
-        engine.stop()
-
-
-def sampled_groups(tiny_math, prompts: list[str], max_tokens: list[int], attempts: int) -> list[dict]:
-    """Stream records of `attempts` engine samples of each prompt (temperature 0.8, stopping at EOS)."""
-    model, tokenizer = tiny_math
-    engine = Engine(model, max_batch_size=8, seed=3, vocab_size=len(tokenizer)).start()
-    try:
-        prompt_ids = [tokenizer(p)["input_ids"] for p in prompts]
-        requests = [
-            GenerationRequest(p, max_new_tokens=n, temperature=0.8, stop_token_ids=frozenset([tokenizer.eos_token_id]))
-            for p, n in zip(prompt_ids, max_tokens)
-        ]
-        futures = engine.submit_many([r for r in requests for _ in range(attempts)])
-        generations = [f.result(timeout=60) for f in futures]
-    finally:
-        engine.stop()
-    return [
-        {
-            "prompt_ids": p,
-            "problem_id": str(i),
-            "attempts": [
-                {"completion_ids": g.token_ids, "logprobs": g.logprobs, "versions": g.versions}
-                for g in generations[i * attempts : (i + 1) * attempts]
-            ],
-        }
-        for i, p in enumerate(prompt_ids)
-    ]
-
-
-def test_trainer_logprobs_match_the_engine_on_policy(tiny_math):
-    """The trainer's packed forward (each prompt once, its attempts right-padded after it) reproduces
-    the server's sampling logprobs, so the importance ratio of on-policy tokens is 1."""
-    model, tokenizer = tiny_math
-    groups = sampled_groups(
-        tiny_math, ["1+2=\\boxed{", "33+4=\\boxed{", "0+0=\\boxed{", "9*9=\\boxed{"], [5, 11, 3, 8], attempts=3
-    )
-    samples = flatten_groups(groups)
-    micro_batches = pack(groups, token_budget=40)  # 4 prompts of 11-12 tokens + 12 completions do not fit
-    attempts = sorted((i, j) for mb in micro_batches for i, first, end in mb for j in range(first, end))
-    assert attempts == [(i, j) for i in range(4) for j in range(3)] and len(micro_batches) > 1
-    for indices in micro_batches:
-        batch = batch_tensors(groups, indices, "cpu")
-        with torch.no_grad():
-            new, _ = token_logprobs(model, batch, 0.8, len(tokenizer))
-        mask = batch["mask"].bool()
-        rows = batch["rows"].tolist()
-        assert [samples[r]["completion_ids"] for r in rows] == [
-            row[m].tolist() for row, m in zip(batch["completion_ids"], mask)
-        ]
-        torch.testing.assert_close(new[mask], batch["behaviour"][mask], atol=2e-5, rtol=0)
-
-
-def test_shared_prompt_forward_has_the_gradient_of_one_forward_per_sample(tiny_math):
-    """The loss's gradient through `token_logprobs` (each prompt once, prompts of different lengths)
-    equals the gradient through a plain forward of every prompt + completion. In float64: in float32 the
-    two summation orders differ by up to ~5e-4 relative on some weights."""
-    groups = sampled_groups(tiny_math, ["1+2=\\boxed{", "33+44=\\boxed{"], [6, 9], attempts=4)
-    model, tokenizer = copy.deepcopy(tiny_math[0]).double(), tiny_math[1]
-    samples = flatten_groups(groups)
-    weights = torch.randn(
-        len(samples), generator=torch.Generator().manual_seed(0), dtype=torch.float64
-    )  # each sample weighs differently
-
-    def gradients(loss):
-        model.zero_grad()
-        loss.backward()
-        return {name: p.grad.clone() for name, p in model.named_parameters()}
-
-    batch = batch_tensors(groups, [(1, 0, 3), (0, 0, 4), (1, 3, 4)], "cpu")  # rows in another order than the samples'
-    new, _ = token_logprobs(model, batch, 0.8, len(tokenizer))
-    shared = gradients((new * batch["mask"] * weights[batch["rows"], None]).sum())
-    plain_loss = 0.0
-    for sample, weight in zip(samples, weights):
-        p, c = sample["prompt_ids"], sample["completion_ids"]
-        logits = model(torch.tensor([p + c])).logits[0, len(p) - 1 : -1, : len(tokenizer)]
-        plain_loss = plain_loss + weight * torch.log_softmax(logits / 0.8, -1).gather(1, torch.tensor(c)[:, None]).sum()
-    plain = gradients(plain_loss)
-    for name in plain:
-        torch.testing.assert_close(shared[name], plain[name], atol=1e-10, rtol=1e-8)
-
-
-def test_a_steps_gradient_and_stats_do_not_depend_on_how_its_groups_are_packed(tiny_math):
-    """The loss is summed over the step's tokens and divided by the step's number of sequences in every
-    micro-batch, so one micro-batch or one per attempt gives the same gradient (float64), and the same stats."""
-    import dataclasses
-
-    from lm_human_preference_details.grpo.config import get_preset
-
-    groups = sampled_groups(tiny_math, ["1+2=\\boxed{", "33+44=\\boxed{", "2+2=\\boxed{"], [6, 9, 4], attempts=4)
-    for i, group in enumerate(groups):  # rewards that differ within each group: advantages that are not 0
-        for j, attempt in enumerate(group["attempts"]):
-            attempt["reward"] = float((i + j) % 2)
-    rewards = torch.tensor([s["reward"] for s in flatten_groups(groups)])
-    model, tokenizer = copy.deepcopy(tiny_math[0]).double(), tiny_math[1]
-    runs = []
-    for budget in (10**6, 8):  # everything at once; one attempt per micro-batch
-        args = dataclasses.replace(get_preset("tiny"), group_size=4, token_budget=budget, temperature=0.8, kl_coef=0.0)
-        model.zero_grad()
-        stats = accumulate_gradients(model, None, groups, rewards.double(), args, len(tokenizer))
-        runs.append(({name: p.grad.clone() for name, p in model.named_parameters()}, stats))
-    assert len(pack(groups, 8)) == 12 and len(pack(groups, 10**6)) == 1
-    (whole_grads, whole_stats), (split_grads, split_stats) = runs
-    for name, grad in whole_grads.items():
-        torch.testing.assert_close(split_grads[name], grad, atol=1e-12, rtol=1e-9)
-    assert any(grad.abs().max() > 0 for grad in whole_grads.values())
-    assert split_stats.keys() == whole_stats.keys() >= {"entropy", "ratio/max", "ess"}
-    for key, value in whole_stats.items():
-        assert split_stats[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
-
-
-def test_pack_fills_the_token_budget_and_splits_only_groups_over_it():
-    def group(prompt: int, completions: list[int]) -> dict:
-        return {"prompt_ids": [1] * prompt, "attempts": [{"completion_ids": [2] * c} for c in completions]}
-
-    def tokens(batch) -> int:  # prompts once each + every completion, each padded to the micro-batch's longest
-        prompt = max(len(groups[i]["prompt_ids"]) for i, _, _ in batch)
-        completion = max(len(a["completion_ids"]) for i, first, end in batch for a in groups[i]["attempts"][first:end])
-        return len(batch) * prompt + sum(end - first for _, first, end in batch) * completion
-
-    groups = [group(5, [3, 1]), group(4, [6, 2]), group(5, [1, 1]), group(3, [4, 4]), group(6, [2, 2])]
-    batches = pack(groups, token_budget=30)
-    assert sorted(part for b in batches for part in b) == [(i, 0, 2) for i in range(5)]  # no group split
-    assert all(tokens(b) <= 30 for b in batches) and len(batches) == 3
-    groups = [group(10, [8, 8, 8, 8, 8]), group(2, [2])]
-    assert pack(groups, token_budget=30) == [
-        [(0, 0, 2)],
-        [(0, 2, 4)],
-        [(0, 4, 5)],
-        [(1, 0, 1)],
-    ]  # 2 x (10 + 8 x 2) > 30
-    assert pack(groups, token_budget=12) == [[(0, i, i + 1)] for i in range(5)] + [
-        [(1, 0, 1)]
-    ]  # over it alone: one attempt
 
 
 def test_grpo_args_check_names_the_field():
@@ -518,37 +350,3 @@ def test_the_actor_fails_when_no_server_has_been_usable_for_the_request_timeout(
     assert time.monotonic() - start < 5
     actor.servers[1].version = 8  # caught up: it is used
     assert asyncio.run(acquire()) is actor.servers[1]
-
-
-def test_shared_prompt_forward_refuses_sliding_window_layers():
-    from transformers import MistralConfig, MistralForCausalLM
-
-    config = MistralConfig(
-        vocab_size=16,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        sliding_window=4,
-    )
-    group = {"prompt_ids": [1, 2, 3, 4, 5, 6], "attempts": [{"completion_ids": [7, 8], "logprobs": [0.0, 0.0]}] * 2}
-    batch = batch_tensors([group], [(0, 0, 2)], "cpu")
-    with pytest.raises(NotImplementedError, match="sliding-window"):
-        token_logprobs(MistralForCausalLM(config).eval(), batch, 1.0, 16)
-
-
-def test_the_trainer_refuses_groups_sampled_with_other_settings_than_its_own():
-    """A trainer and an actor started apart with different flags: a group of another size would be merged with
-    or split from its neighbours by the baseline, logprobs at another temperature make every ratio pi/mu wrong."""
-    from lm_human_preference_details.cli import UserError
-    from lm_human_preference_details.grpo.config import get_preset
-
-    args = get_preset("tiny")  # groups of 8, temperature 1
-    group = {"problem_id": "sum-1-2", "temperature": 1.0, "attempts": [{"reward": 1.0}] * 8}
-    check_group(group, args)
-    check_group({k: v for k, v in group.items() if k != "temperature"}, args)  # a stream from before it was recorded
-    with pytest.raises(UserError, match="group for problem 'sum-1-2' has 4 attempts, this trainer's --group-size is 8"):
-        check_group({**group, "attempts": group["attempts"][:4]}, args)
-    with pytest.raises(UserError, match="sampled at temperature 0.7, this trainer's --temperature is 1.0"):
-        check_group({**group, "temperature": 0.7}, args)

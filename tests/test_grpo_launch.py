@@ -287,7 +287,8 @@ def test_a_sync_run_resumed_mid_round_finishes_that_round_then_keeps_its_rounds(
 @pytest.mark.slow
 def test_the_stream_can_be_a_redis_stream_and_the_weights_go_one_broadcast_per_tensor(tmp_path, redis_url):
     url = with_stream(redis_url, f"grpo-{uuid.uuid4().hex}")
-    # --update-bucket-mb 0: PipelineRL's one broadcast per tensor (the preset sends one bucket; grpo_speed has a row for it)
+    # --update-bucket-mb 0: PipelineRL's one broadcast per tensor (the preset sends one bucket; grpo_speed has a row
+    # for it)
     run = Launched(tmp_path / "run", "--steps", "10", "--stream", url, "--update-bucket-mb", "0")
     assert run.finish() == 0, run.output()
     assert len(metrics(run.output_dir)) == 10
@@ -370,7 +371,8 @@ def test_chat_prompts_go_one_request_per_problem_through_the_chat_template(tmp_p
         (["--resume"], "error: --resume: no checkpoint in"),
         (
             ["--resume", "--stream", "redis://127.0.0.1:1/0?stream=s&maxlen=100"],
-            "error: --stream redis://127.0.0.1:1/0?stream=s&maxlen=100: --resume finds the checkpoint's place in the stream by counting",
+            "error: --stream redis://127.0.0.1:1/0?stream=s&maxlen=100: --resume finds the checkpoint's place in the "
+            "stream by counting",
         ),
         (
             ["--weight-backend", "nccl"],

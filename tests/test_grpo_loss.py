@@ -1,4 +1,4 @@
-"""Tests of lm_human_preference_details.grpo_loss on small hand-computed cases and autograd checks.
+"""Tests of lm_human_preference_details.grpo.loss on small hand-computed cases and autograd checks.
 
 Each expected number below is worked out by hand (in the comment next to it) from the formulas in
 PipelineRL's `rl_step` / `populate_rl_data` (ServiceNow/PipelineRL, pipelinerl/finetune/rl/__init__.py),
@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from lm_human_preference_details import grpo_loss as gl
+from lm_human_preference_details.grpo import loss as gl
 
 F64 = torch.float64
 

@@ -14,8 +14,8 @@ import torch
 from conftest import save_tiny_math_with_chat_template
 
 from lm_human_preference_details.grpo.client import ServerError, ServerProcess, request_json
+from lm_human_preference_details.grpo.protocol import ParameterSpec
 from lm_human_preference_details.grpo.weights import (
-    ParameterSpec,
     WeightSender,
     buckets,
     digest,
@@ -331,6 +331,20 @@ def test_a_refusal_by_one_server_still_updates_the_others_and_a_trainer_left_wit
         for server in servers:
             server.process.kill()
             server.process.wait()
+
+
+def test_the_server_dtypes_are_dtypes_an_update_can_carry():
+    """`protocol.ServerDtype`'s choices (but `auto`) are names of `protocol.WIRE_DTYPES`, which the weights turn into
+    torch's dtypes and back: a server in any of them announces a dtype that the trainer sends in."""
+    from typing import get_args
+
+    from lm_human_preference_details.grpo.protocol import WIRE_DTYPES, ServerDtype
+    from lm_human_preference_details.grpo.weights import DTYPE_NAMES, DTYPES
+
+    assert set(get_args(ServerDtype)) - {"auto"} <= set(WIRE_DTYPES) == set(DTYPES)
+    assert all(DTYPE_NAMES[DTYPES[name]] == name and DTYPES[name] == getattr(torch, name) for name in WIRE_DTYPES)
+    spec = ParameterSpec("lm_head.weight", (3, 4), "bfloat16")
+    assert ParameterSpec.from_json(json.loads(json.dumps(spec.to_json()))) == spec  # through the wire and back
 
 
 def test_server_binds_loopback_by_default():

@@ -1,1 +1,2 @@
-"""GRPO: inference servers, an actor and a trainer joined by a sample stream (docs/DESIGN.md, "The GRPO pipeline contract")."""
+"""GRPO: inference servers, an actor and a trainer joined by a sample stream (docs/DESIGN.md, "The GRPO pipeline
+contract")."""

@@ -12,7 +12,8 @@ that have those weights.
 A request that fails (server gone, connection dropped, 5xx, timeout) is sent again to another
 server; a server that fails is left alone until its /health answers again.
 
-Run alone: `python -m lm_human_preference_details.grpo.actor --task tiny --servers http://127.0.0.1:8000 --output-dir DIR`
+Run alone:
+`python -m lm_human_preference_details.grpo.actor --task tiny --servers http://127.0.0.1:8000 --output-dir DIR`
 """
 
 import asyncio
@@ -30,9 +31,9 @@ import aiohttp
 
 from lm_human_preference_details import cli
 from lm_human_preference_details.grpo.client import check_serving
-from lm_human_preference_details.grpo.config import GRPOArgs, get_preset, load_task_problems
+from lm_human_preference_details.grpo.config import GRPOArgs, get_preset
 from lm_human_preference_details.grpo.lifetime import exit_with_parent
-from lm_human_preference_details.grpo.rewards import Problem, integer_reward, math_rewards
+from lm_human_preference_details.grpo.rewards import Problem, integer_reward, load_task_problems, math_rewards
 from lm_human_preference_details.grpo.streams import open_writer
 
 log = logging.getLogger(__name__)

@@ -1,5 +1,6 @@
 """The client side of the inference server's contract, without torch: JSON requests, and a server
-started as a child process (what the launcher, the trainer and the benchmarks use to reach one)."""
+started as a child process (what the launcher, the trainer and the benchmarks use to reach one). The
+contract's constants and types are `grpo.protocol`'s."""
 
 import json
 import os
@@ -12,17 +13,6 @@ import urllib.error
 import urllib.request
 import weakref
 from collections.abc import Callable
-from typing import Literal
-
-MAX_CHOICES = 512
-"""sequences one completion request may ask for (prompts x n)"""
-
-MIN_TEMPERATURE = 1e-4
-"""the lowest sampling temperature a server takes: logits / temperature must stay finite in float32 (1e-50 is
-0 there, and every sequence of the batch would get NaN probabilities)"""
-
-ServerDtype = Literal["auto", "float32", "bfloat16"]
-"""the precision of a server's weights (the server's `--dtype`, the launcher's `--server-dtype`, which says why)"""
 
 
 def check_serving(urls: list[str], version: int, model: str, starts: str = "starts") -> None:
@@ -37,8 +27,8 @@ def check_serving(urls: list[str], version: int, model: str, starts: str = "star
             raise UserError(f"--servers: {url} is not serving ({error})") from None
         if served != version:
             raise UserError(
-                f"--servers: {url} serves weights version {served}, and this run {starts} at {version}: restart it with "
-                f"`python -m lm_human_preference_details.grpo.server --model {model} --version {version}`"
+                f"--servers: {url} serves weights version {served}, and this run {starts} at {version}: restart it "
+                f"with `python -m lm_human_preference_details.grpo.server --model {model} --version {version}`"
             )
 
 

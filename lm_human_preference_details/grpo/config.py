@@ -3,12 +3,11 @@
 import copy
 import math
 import os
-import random
 from dataclasses import dataclass, field
 from typing import Literal
 
 from lm_human_preference_details.cli import UserError
-from lm_human_preference_details.grpo.client import MAX_CHOICES, MIN_TEMPERATURE, ServerDtype
+from lm_human_preference_details.grpo.protocol import MAX_CHOICES, MIN_TEMPERATURE, ServerDtype, WeightBackend
 from lm_human_preference_details.tracking import RunArgs
 
 Mode = Literal["pipeline", "sync"]
@@ -27,11 +26,11 @@ class GRPOArgs(RunArgs):
     """`sync` mode: optimizer steps per generation round (G)"""
     steps_ahead: float = 3
     """`pipeline` mode: the actor starts groups for at most this many optimizer steps beyond the
-    servers' weights (this sets the lag: the `tiny` preset's 4 gives a mean lag of about 2.6-2.9, or 2.1-2.3 with
-    24-token completions; 1 leaves the servers idle while the trainer steps; the trainer takes groups in the order
-    they finish, so a group that finishes after later ones, or is retried, can lag more). A fraction lets that share of each
-    step's problems start a step earlier (2.5: half of them start as with 3, half as with 2), for a lag between
-    the two; it needs requests that small (`problems_per_request`)"""
+    servers' weights (this sets the lag: the mean lag stays below it, by how much depends on how generation and
+    training times compare, see benchmarks/README.md; 1 leaves the servers idle while the trainer steps; the
+    trainer takes groups in the order they finish, so a group that finishes after later ones, or is retried, can
+    lag more). A fraction lets that share of each step's problems start a step earlier (2.5: half of them start
+    as with 3, half as with 2), for a lag between the two; it needs requests that small (`problems_per_request`)"""
 
     # problems and model
     model: str = "tiny-math"
@@ -95,7 +94,7 @@ class GRPOArgs(RunArgs):
     values, copied to each row, are not counted)"""
     sample_interval: int = 10
     """optimizer steps between sample tables (samples.jsonl and wandb; a wandb Table every step would
-    cost the tiny preset's trainer a tenth of its time)"""
+    cost a small model's trainer a noticeable share of its time)"""
     save_interval: int = 20
     """checkpoint every N optimizer steps (0: never); `--resume` continues from the last one"""
     resume: bool = False
@@ -118,13 +117,13 @@ class GRPOArgs(RunArgs):
     problem still goes in a request of its own"""
     update_bucket_mb: float = 0.0
     """weight updates go out as flat buckets of consecutive tensors, at most this many MiB each
-    (0: one broadcast per tensor, PipelineRL's way; on gloo each broadcast costs about 0.3 ms of CPU
-    per side however small, which a tiny model's update is mostly made of)"""
+    (0: one broadcast per tensor, PipelineRL's way; on gloo each broadcast has a CPU cost per side however
+    small, which a tiny model's update is mostly made of: see benchmarks/README.md)"""
     server_dtype: ServerDtype = "auto"
     """the servers' weights: `auto` is bfloat16 on a GPU (as vLLM serves) and float32 on the CPU; float32 on a GPU
     makes on-policy ratios pi/mu exactly 1 (the trainer computes in float32), bfloat16 on the CPU shows what a GPU
     server's rounding does to them"""
-    weight_backend: Literal["gloo", "nccl"] = "gloo"
+    weight_backend: WeightBackend = "gloo"
     """how weight updates travel: `gloo` (CPU tensors, or GPU tensors through host memory; works
     wherever the servers run, also on the trainer's own GPU) or `nccl` (GPU to GPU; only for servers
     on other GPUs than the trainer's, e.g. `--servers` started on them: NCCL refuses two ranks on one GPU)"""
@@ -135,9 +134,9 @@ class GRPOArgs(RunArgs):
     threads: int = 0
     """torch CPU threads per process (server, trainer); 0: the cores shared among the processes that compute
     at once. `pipeline`: the servers and the trainer run side by side, cores // (servers + 1) each (more
-    oversubscribes: 2 threads each on 2 cores made the `tiny` preset 3-6x slower). `sync`: they take turns,
-    so the trainer gets every core and the servers share them. Servers given with `--servers` count as on
-    this machine; pass `--threads` when they are not"""
+    oversubscribes the cores, and threads that wait for each other's cores make every process slower). `sync`:
+    they take turns, so the trainer gets every core and the servers share them. Servers given with `--servers`
+    count as on this machine; pass `--threads` when they are not"""
     request_timeout_s: float = 300.0
     """a completion request taking longer is retried on another server; with no usable server for this long, the actor
     fails the run"""
@@ -151,6 +150,23 @@ class GRPOArgs(RunArgs):
     def request_problems(self) -> int:
         """Problems in one completion request: `problems_per_request`, or when 0 an optimizer step's."""
         return self.problems_per_request or self.groups_per_step()
+
+    def groups_to_read(self, version: int) -> int:
+        """Groups the trainer reads from the stream before the step after `version`, when it has none left:
+        `pipeline`, one step's; `sync`, the rest of the round (rounds end at multiples of `sync_steps`, where the
+        weights go out: the conventional schedule trains only once the whole round is generated, and a run
+        resumed mid-round reads the rest of it); never beyond `steps`."""
+        steps = 1 if self.mode == "pipeline" else self.sync_steps - version % self.sync_steps
+        return min(steps, self.steps - version) * self.groups_per_step()
+
+    def push_interval(self) -> int:
+        """Optimizer steps between two weight pushes to the servers: every step in `pipeline`, every round in `sync`."""
+        return 1 if self.mode == "pipeline" else self.sync_steps
+
+    def due(self, interval: int, version: int) -> bool:
+        """Whether what comes every `interval` steps (0: never) comes after step `version`: at its multiples,
+        and after the last step."""
+        return interval > 0 and (version % interval == 0 or version == self.steps)
 
     def problems_ahead(self) -> int:
         """How many problems beyond the servers' weights the actor may start in `pipeline` mode: `steps_ahead`
@@ -244,11 +260,11 @@ class GRPOArgs(RunArgs):
 
 
 PRESETS: dict[str, GRPOArgs] = {
-    # learns in a minute on a CPU: the format-taught tiny model, sums of two digits 0-4 (25 problems)
+    # learns fast on a CPU: the format-taught tiny model, sums of two digits 0-4 (25 problems)
     # (the tiny model is cheap to run, so overheads rule: a server batch of 256 amortises each decode
-    # step's; one request per optimizer step (its 8 problems, one prefill) instead of 4 requests of 2
-    # took the pipeline 0.86x and sync G=4 0.89x the time a step (6 rounds of interleaved runs); and
-    # its 28 tensors go to the servers as one broadcast)
+    # step's; one request per optimizer step (its 8 problems, one prefill) costs the servers less HTTP and
+    # prefill than several smaller ones, in both modes; and its 28 tensors go to the servers as one
+    # broadcast; benchmarks/README.md has the timings)
     "tiny": GRPOArgs(
         preset="tiny",
         model="tiny-math",
@@ -264,8 +280,8 @@ PRESETS: dict[str, GRPOArgs] = {
         problems_per_request=0,
         update_bucket_mb=16,
     ),
-    # a real pretrained LM (SmolLM2-135M-Instruct, offline) completing `4+5=\boxed{`: about 3% right at
-    # the start; sized for a GPU (on 2 CPU cores a step takes about 10 s)
+    # a real pretrained LM (SmolLM2-135M-Instruct, offline) completing `4+5=\boxed{`: rarely right at
+    # the start; sized for a GPU (on a few CPU cores a step takes seconds)
     "arith": GRPOArgs(
         preset="arith",
         model="smollm2-135m",
@@ -289,33 +305,3 @@ def get_preset(name: str) -> GRPOArgs:
     if name not in PRESETS:
         raise UserError(f"--task {name!r} is unknown; choose one of {', '.join(PRESETS)}")
     return copy.deepcopy(PRESETS[name])
-
-
-def tiny_sums() -> list:
-    """All 25 sums a+b of digits 0-4 in the `tiny-math` model's format (answers 0-8)."""
-    from lm_human_preference_details.assets import tiny_math_prompt
-    from lm_human_preference_details.grpo.rewards import Problem
-
-    return [
-        Problem(prompt=tiny_math_prompt(a, b), answer=str(a + b), id=f"sum-{a}-{b}") for a in range(5) for b in range(5)
-    ]
-
-
-def load_task_problems(args: GRPOArgs) -> list:
-    """The run's problems in a seeded order (the actor cycles through them)."""
-    from lm_human_preference_details.grpo import rewards
-
-    if args.problems == "tiny-sums":
-        problems = tiny_sums()
-    elif args.problems == "arith":
-        problems = rewards.arithmetic_problems(
-            count=args.num_problems or 1000, seed=args.seed, digits=args.arith_digits, template=args.arith_template
-        )
-    else:
-        problems = rewards.load_problems(args.problems, limit=args.num_problems or None)
-    if args.num_problems:
-        problems = problems[: args.num_problems]
-    if not problems:
-        raise UserError(f"--problems {args.problems}: no problems")
-    random.Random(args.seed).shuffle(problems)
-    return problems

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from lm_human_preference_details.grpo.client import MIN_TEMPERATURE
+from lm_human_preference_details.grpo.protocol import MIN_TEMPERATURE
 
 
 @dataclass
@@ -63,7 +63,9 @@ class _Sequence:
 
 
 class Engine:
-    """Owns the model; `submit` from any thread, `schedule_update` to swap weights between steps."""
+    """Owns the model; `submit` from any thread, `schedule_update` to swap weights between steps. `start` starts
+    its thread and `stop` ends it; `with Engine(...) as engine:` does both (requests submitted before the
+    start wait in its queue)."""
 
     def __init__(self, model: torch.nn.Module, max_batch_size: int, seed: int = 0, vocab_size: int | None = None):
         self.model = model.eval()
@@ -94,6 +96,12 @@ class Engine:
             self._stopped = True
             self._wake.notify()
         self._thread.join(timeout=30)
+
+    def __enter__(self) -> "Engine":
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
 
     def submit(self, request: GenerationRequest) -> Future:
         """Queue a request; the future resolves to a `Generation`. Checks it (`check`) before queueing."""
@@ -440,8 +448,8 @@ class _BufferLayer(CacheLayerMixin):
 def sample_tokens(logprobs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One token per row of `logprobs` [rows, vocab], drawn from exp(logprobs): by inverting each row's
     cumulative distribution at one uniform draw. `torch.multinomial` draws an exponential for every
-    vocabulary entry: at a decode step of the `tiny` preset's server (144 rows) it took 3x as long (0.24
-    against 0.08 ms). The draw and the sum are float64: over SmolLM2's 49152 entries float32 would
+    vocabulary entry, which at a decode step of a small model's server takes several times as long as this
+    (benchmarks/README.md). The draw and the sum are float64: over SmolLM2's 49152 entries float32 would
     misplace the rarest tokens' share. ValueError for a row without a distribution (NaN or every logit
     -inf: diverged weights, or a temperature that underflows), as `torch.multinomial` raised."""
     cdf = logprobs.exp().cumsum(-1, dtype=torch.float64)

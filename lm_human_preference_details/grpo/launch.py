@@ -1,7 +1,8 @@
 """One command for a GRPO run: inference servers, actor and trainer, each a process.
 
     python -m lm_human_preference_details.grpo.launch --task tiny --mode pipeline --output-dir runs/grpo-tiny
-    python -m lm_human_preference_details.grpo.launch --task tiny --mode sync --sync-steps 4 --output-dir runs/grpo-tiny-sync
+    python -m lm_human_preference_details.grpo.launch --task tiny --mode sync --sync-steps 4 \\
+        --output-dir runs/grpo-tiny-sync
 
 The run ends when the trainer has taken `--steps` optimizer steps. Every process it started is
 stopped when the run ends, when it fails, on Ctrl-C or SIGTERM, and (through a watchdog in each

@@ -16,10 +16,14 @@ import re
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import math_verify
 
 from lm_human_preference_details.cli import UserError
+
+if TYPE_CHECKING:
+    from lm_human_preference_details.grpo.config import GRPOArgs
 
 BOXED_INSTRUCTION = " Please reason step by step, and put your final answer within \\boxed{}."
 """Appended to every GSM8K, MATH-500 and Open-Reasoner-Zero question (the prompt of DeepSeek-R1 and PipelineRL)."""
@@ -91,8 +95,7 @@ def math_reward(completion: str, answer: str) -> float:
 @functools.lru_cache(maxsize=2**16)
 def _verify_boxed(boxed: str, answer: str, timeout: float | None) -> float:
     """math_verify's judgement of a box against the answer, remembered: a policy repeats its answers
-    (a run of the `tiny` preset at 24 tokens sends the same few dozen boxes thousands of times) and
-    each judgement costs milliseconds of sympy."""
+    (a run sends the same few boxes over and over) and each judgement costs a sympy parse and comparison."""
     try:
         gold = math_verify.parse(f"\\boxed{{{answer}}}", parsing_timeout=timeout)
         pred = math_verify.parse(f"\\boxed{{{boxed}}}", parsing_timeout=timeout)
@@ -110,8 +113,8 @@ def math_rewards(completions: list[str], answer: str) -> list[float]:
 def integer_reward(completion: str, answer: str) -> float | None:
     """`math_reward` without math_verify where that is certain: no box (0.0), or a box and an answer
     that are both plain integers, signed or not (compared as integers, as math_verify would, without
-    milliseconds of sympy in the verifier process: a policy that boxes `+2` would otherwise send every
-    such group there). None when math_verify must decide."""
+    sympy in the verifier process: a policy that boxes `+2` would otherwise send every such group there).
+    None when math_verify must decide."""
     boxed = last_boxed(completion)
     if boxed is None:
         return 0.0
@@ -129,6 +132,34 @@ def _canonical_integer(text: str) -> str:
 
 
 # ----------------------------------------------------------------------------- problems
+def load_task_problems(args: "GRPOArgs") -> list[Problem]:
+    """The run's problems (`--problems`, `--num-problems`, `--arith-*`) in a seeded order (the actor cycles
+    through them)."""
+    if args.problems == "tiny-sums":
+        problems = tiny_sums()
+    elif args.problems == "arith":
+        problems = arithmetic_problems(
+            count=args.num_problems or 1000, seed=args.seed, digits=args.arith_digits, template=args.arith_template
+        )
+    else:
+        problems = load_problems(args.problems, limit=args.num_problems or None)
+    if args.num_problems:
+        problems = problems[: args.num_problems]
+    if not problems:
+        raise UserError(f"--problems {args.problems}: no problems")
+    random.Random(args.seed).shuffle(problems)
+    return problems
+
+
+def tiny_sums() -> list[Problem]:
+    """All 25 sums a+b of digits 0-4 in the `tiny-math` model's format (answers 0-8)."""
+    from lm_human_preference_details.assets import tiny_math_prompt  # assets imports torch: only here
+
+    return [
+        Problem(prompt=tiny_math_prompt(a, b), answer=str(a + b), id=f"sum-{a}-{b}") for a in range(5) for b in range(5)
+    ]
+
+
 def arithmetic_problems(
     count: int,
     seed: int,
@@ -172,11 +203,13 @@ def load_problems(source: str, split: str = "test", limit: int | None = None) ->
         records, where, prefix = _hub_records(source, split), source, f"{source}-{split}"
     elif source == "orz":
         raise UserError(
-            f"source=orz: Open-Reasoner-Zero data is not on the hub; download a JSON file from {ORZ_DATA_URL} and pass its path"
+            f"source=orz: Open-Reasoner-Zero data is not on the hub; download a JSON file from {ORZ_DATA_URL} and "
+            "pass its path"
         )
     else:
         raise UserError(
-            f"source={source!r}: no such file; choose {' or '.join(HUB_DATASETS)}, or the path of a .json/.jsonl file of {FORMATS}"
+            f"source={source!r}: no such file; choose {' or '.join(HUB_DATASETS)}, or the path of a .json/.jsonl "
+            f"file of {FORMATS}"
         )
     return [
         _problem(record, f"{where} record {i}", f"{prefix}-{i}")
@@ -185,7 +218,8 @@ def load_problems(source: str, split: str = "test", limit: int | None = None) ->
 
 
 def _read_records(path: str) -> list:
-    """The records of a `.jsonl` file, or of a JSON list (or JSON lines: `datasets.Dataset.to_json` writes them even to `.json`)."""
+    """The records of a `.jsonl` file, or of a JSON list (or JSON lines: `datasets.Dataset.to_json` writes them
+    even to `.json`)."""
     with open(path, encoding="utf-8") as f:
         text = f.read()
     if not path.endswith(".jsonl"):
@@ -215,7 +249,8 @@ def _hub_records(name: str, split: str) -> Iterable[dict]:
         return datasets.load_dataset(path, config, split=split)
     except Exception as e:  # offline, unknown split, hub errors: all mean the same to the user
         raise UserError(
-            f"source={name}: cannot load {path} split {split!r} from the hub ({e}); pass a local .json/.jsonl file instead"
+            f"source={name}: cannot load {path} split {split!r} from the hub ({e}); pass a local .json/.jsonl file "
+            "instead"
         ) from e
 
 

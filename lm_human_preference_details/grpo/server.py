@@ -3,7 +3,7 @@
     python -m lm_human_preference_details.grpo.server --model tiny-math --port 8000
     python -m lm_human_preference_details.grpo.server --model tiny-math --port 0 --port-file PATH  # a port the OS picks
 
-Endpoints (docs/DESIGN.md, "The GRPO pipeline contract"):
+Endpoints (docs/DESIGN.md, "The GRPO pipeline contract"; its constants and types: `grpo.protocol`):
 - `POST /v1/completions` {prompt: str | [token ids] | [str] | [[token ids]], max_tokens, temperature, n,
   stop_token_ids, ignore_eos}. A list of prompts (OpenAI's batch form) gets `n` choices per prompt,
   prompt-major (choice `index` = prompt index * n + attempt), and `prompt_token_ids` one list per prompt.
@@ -17,8 +17,9 @@ Endpoints (docs/DESIGN.md, "The GRPO pipeline contract"):
   one per flat bucket of consecutive tensors, `weights.buckets`) into fresh buffers while
   decoding goes on, then the engine swaps them all in between two decode steps: decoding pauses
   only for the copy, and sequences in flight keep their KV cache.
-- `GET /health` (`?wait_for_version=N` long-polls until version N serves), `GET /metrics` (JSON counters: tokens, requests, updates, pause per update),
-  `GET /weights_digest` (SHA-256 of each parameter: is this exactly the trainer's model?).
+- `GET /health` (`?wait_for_version=N` long-polls until version N serves), `GET /metrics` (JSON counters:
+  tokens, requests, updates, pause per update), `GET /weights_digest` (SHA-256 of each parameter: is this
+  exactly the trainer's model?).
 Malformed requests get a 4xx with the reason; the server stays up.
 """
 
@@ -34,16 +35,22 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 import tyro
 from aiohttp import web
 
 from lm_human_preference_details.cli import quiet_transformers
-from lm_human_preference_details.grpo.client import MAX_CHOICES, MIN_TEMPERATURE, ServerDtype
 from lm_human_preference_details.grpo.engine import Engine, GenerationRequest
 from lm_human_preference_details.grpo.lifetime import exit_now, exit_with_parent
+from lm_human_preference_details.grpo.protocol import (
+    MAX_CHOICES,
+    MIN_TEMPERATURE,
+    ParameterSpec,
+    ServerDtype,
+    WeightBackend,
+)
 
 log = logging.getLogger(__name__)
 
@@ -248,7 +255,7 @@ class InferenceServer:
         init_method = _field(body, "init_method", str, None, need="a string tcp://HOST:PORT")
         rank = _field(body, "rank", int, None, lambda v: v >= 1, "an integer >= 1 (rank 0 is the trainer)")
         world_size = _field(body, "world_size", int, None, lambda v: v > rank, "an integer > rank")
-        backend = _field(body, "backend", str, "gloo", lambda v: v in ("gloo", "nccl"), "gloo or nccl")
+        backend = _field(body, "backend", str, "gloo", lambda v: v in get_args(WeightBackend), "gloo or nccl")
         loop = asyncio.get_running_loop()
         try:  # blocks until the trainer joins: off the event loop
             self.weight_group = await loop.run_in_executor(None, WeightGroup, init_method, rank, world_size, backend)
@@ -257,7 +264,7 @@ class InferenceServer:
         return web.json_response({"ok": True, "rank": rank, "world_size": world_size})
 
     async def request_weight_update(self, request: web.Request) -> web.Response:
-        from lm_human_preference_details.grpo.weights import ParameterSpec, load_tensors, mismatches, receive_tensors
+        from lm_human_preference_details.grpo.weights import load_tensors, mismatches, receive_tensors
 
         body = await _json_body(request)
         if self.weight_group is None:

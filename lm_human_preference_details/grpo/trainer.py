@@ -13,6 +13,10 @@ then pushes the new weights into the inference servers.
         pipeline: push the weights to every server now (sent while the next step runs); sync: every
         `sync_steps` steps
         log reward, success rate, lag (trainer version - token version), throughput, entropy, ESS
+        every `save_interval` steps: checkpoint (model folder, optimizer, version, stream position)
+
+`train` is that loop; `GroupReader`, `accumulate_gradients`, `ServerUpdates`, `step_metrics` / `log_step` and
+`save_checkpoint` are its lines, `load_learner` what it starts from.
 
 Run alone against servers and an actor already running:
 `python -m lm_human_preference_details.grpo.trainer --task tiny --servers http://127.0.0.1:8000 --output-dir DIR`
@@ -21,29 +25,26 @@ Run alone against servers and an actor already running:
 import json
 import logging
 import os
-import shutil
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from lm_human_preference_details import checkpoint, cli
-from lm_human_preference_details.grpo.client import check_serving, request_json
+from lm_human_preference_details.grpo.client import check_serving
 from lm_human_preference_details.grpo.config import GRPOArgs, get_preset
 from lm_human_preference_details.grpo.lifetime import exit_now
+from lm_human_preference_details.grpo.loss import effective_sample_size, group_advantages, policy_loss
 from lm_human_preference_details.grpo.streams import open_reader
-from lm_human_preference_details.grpo.weights import DTYPES, WeightSender
-from lm_human_preference_details.grpo_loss import effective_sample_size, group_advantages, policy_loss
+from lm_human_preference_details.grpo.weights import WeightSender, served_dtype
 from lm_human_preference_details.models import load_causal_lm
 from lm_human_preference_details.optim import make_optimizer
 from lm_human_preference_details.tracking import Tracker
 
 log = logging.getLogger(__name__)
-
-CHECKPOINT = "checkpoint"
-
 
 Part = tuple[int, int, int]
 """attempts first..end-1 of group i: (i, first, end)"""
@@ -220,11 +221,61 @@ def train(args: GRPOArgs, wait_for_servers: Callable[[], list[str]]) -> None:
     launcher starts the trainer while they load: models and optimizer are ready by then)."""
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.torch_threads("trainer"))
+    learner = load_learner(args)
+    model, optimizer, version = learner.model, learner.optimizer, learner.version
+    server_urls = wait_for_servers()
+    # once the servers serve: a run whose servers never started leaves no wandb run or metrics behind
+    tracker = Tracker.for_run(args, f"grpo_{args.mode}", resume_after_step=version if args.resume else None)
+    servers = ServerUpdates(args, server_urls)
+    # with no server left to update, no samples would ever come: checked while waiting for them
+    stream = GroupReader(args, start=learner.stream_position, while_waiting=servers.sender.check)
+    timer = StepTimer()
+    while version < args.steps:
+        timer.waiting_for_data()
+        groups = stream.read_step(version)
+        timer.training()
+        samples = flatten_groups(groups)
+        rewards = torch.tensor([s["reward"] for s in samples])
+        stats = accumulate_gradients(model, learner.reference, groups, rewards, args, learner.vocab_size)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        version += 1
+        push_s = servers.push_if_due(model, version)
+        times = timer.step_done(push_s)
+        metrics = step_metrics(samples, rewards, version, grad_norm.item(), times, servers.sender.last_broadcast_s)
+        log_step(tracker, args, version, samples, {**metrics, **stats})
+        if args.due(args.save_interval, version):
+            save_checkpoint(args, model, learner.tokenizer, optimizer, version, stream.position)
+    servers.sender.wait()
+    stream.close()
+    tracker.finish()
+
+
+@dataclass
+class Learner:
+    """What a run trains from: the policy, the frozen reference (None without `kl_coef`), the tokenizer, the
+    optimizer, and where a resumed run takes up (its version, its place in the stream)."""
+
+    model: torch.nn.Module
+    reference: torch.nn.Module | None
+    tokenizer: object
+    optimizer: torch.optim.Optimizer
+    version: int
+    stream_position: int
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+
+def load_learner(args: GRPOArgs) -> Learner:
+    """The models and the optimizer, on the GPU if there is one; with `--resume` the checkpoint's (a UserError
+    if there is none, or if it was saved with other settings)."""
     from lm_human_preference_details.text import load_tokenizer  # an unknown model is one line (`assets.unknown_model`)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = load_tokenizer(args.model)
-    vocab_size = len(tokenizer)
     reference = load_causal_lm(args.model).requires_grad_(False).to(device) if args.kl_coef else None
     state = checkpoint_state(args) if args.resume else {"version": 0, "stream_position": 0}
     model = load_causal_lm(checkpoint_model(args.output_dir) if args.resume else args.model).to(device)
@@ -233,108 +284,146 @@ def train(args: GRPOArgs, wait_for_servers: Callable[[], list[str]]) -> None:
         # onto the CPU first (a checkpoint saved on a GPU resumes without one); load_state_dict moves each
         # state to its parameter's device
         optimizer.load_state_dict(
-            torch.load(os.path.join(args.output_dir, CHECKPOINT, "optimizer.pt"), map_location="cpu")
+            torch.load(os.path.join(checkpoint.folder(args.output_dir), "optimizer.pt"), map_location="cpu")
         )
-    version, stream_position = state["version"], state["stream_position"]
-    server_urls = wait_for_servers()
-    # once the servers serve: a run whose servers never started leaves no wandb run or metrics behind
-    tracker = Tracker(
-        args.output_dir,
-        args,
-        enabled=True,
-        wandb_mode=args.wandb_mode,
-        project=args.wandb_project,
-        run_name=args.run_name_for(f"grpo_{args.mode}"),
-        resume_after_step=version if args.resume else None,
-    )
-    sender = WeightSender(server_urls, backend=args.weight_backend, host=args.trainer_host)
-    # weights go out in the servers' dtype (bf16 on GPUs): they check it before receiving
-    server_dtype = DTYPES[request_json("GET", f"{server_urls[0]}/health")["dtype"]]
-    reader = open_reader(args.stream_url(), start=stream_position)
-    push_every = 1 if args.mode == "pipeline" else args.sync_steps
-    started = last_step_end = None
+    return Learner(model, reference, tokenizer, optimizer, state["version"], state["stream_position"])
 
-    buffered: list[dict] = []
-    while version < args.steps:
-        wait_start = time.perf_counter()
-        if not buffered:
-            # sync: the conventional schedule trains only once the whole round is generated (rounds end at
-            # multiples of sync_steps, where the weights go out: a run resumed mid-round reads the rest of it)
-            steps_to_read = 1 if args.mode == "pipeline" else args.sync_steps - version % args.sync_steps
-            wanted = min(steps_to_read, args.steps - version) * args.groups_per_step()
-            while len(buffered) < wanted:
-                sender.check()  # with no server left to update, no samples would ever come
-                buffered += reader.read(wanted - len(buffered), timeout_s=1.0)
-        groups, buffered = buffered[: args.groups_per_step()], buffered[args.groups_per_step() :]
+
+class GroupReader:
+    """The stream's groups, one optimizer step's at a time, checked against this trainer's settings (`check_group`)."""
+
+    def __init__(self, args: GRPOArgs, start: int, while_waiting: Callable[[], None]):
+        """`start`: the stream position to read from; `while_waiting()` is called before each read of the stream,
+        which waits up to a second (what it raises ends the wait: the trainer checks that a server is left to
+        update, without which no samples would ever come)."""
+        self.args, self.while_waiting = args, while_waiting
+        self.reader = open_reader(args.stream_url(), start=start)
+        self.buffered: list[dict] = []
+
+    def read_step(self, version: int) -> list[dict]:
+        """The groups of the step after `version`, waiting for them (and in `sync` mode for the rest of the round:
+        `GRPOArgs.groups_to_read`)."""
+        if not self.buffered:
+            wanted = self.args.groups_to_read(version)
+            while len(self.buffered) < wanted:
+                self.while_waiting()
+                self.buffered += self.reader.read(wanted - len(self.buffered), timeout_s=1.0)
+        per_step = self.args.groups_per_step()
+        groups, self.buffered = self.buffered[:per_step], self.buffered[per_step:]
         for group in groups:
-            check_group(group, args)
-        step_start = time.perf_counter()
-        started = started or wait_start
-        samples = flatten_groups(groups)
+            check_group(group, self.args)
+        return groups
 
-        rewards = torch.tensor([s["reward"] for s in samples])
-        step_stats = accumulate_gradients(model, reference, groups, rewards, args, vocab_size)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        trained_version = version  # the weights the gradient was taken at
-        version += 1
+    @property
+    def position(self) -> int:
+        """The stream position of the first group not yet trained on (read ahead but buffered: not counted)."""
+        return self.reader.position - len(self.buffered)
 
-        push_s = 0.0
-        if version % push_every == 0 or version == args.steps:
-            push_start = time.perf_counter()
-            dropped = sender.push(model, version, dtype=server_dtype, bucket_bytes=int(args.update_bucket_mb * 2**20))
-            push_s = time.perf_counter() - push_start
-            if dropped:
-                log.warning("servers dropped from weight updates: %s", dropped)
+    def close(self) -> None:
+        self.reader.close()
+
+
+class ServerUpdates:
+    """The weights' way to the servers: a `WeightSender` with a process group to each, the weights cast to the
+    servers' dtype, pushed on the schedule (`GRPOArgs.push_interval`) and in buckets of `update_bucket_mb`."""
+
+    def __init__(self, args: GRPOArgs, server_urls: list[str]):
+        self.args = args
+        self.sender = WeightSender(server_urls, backend=args.weight_backend, host=args.trainer_host)
+        # weights go out in the servers' dtype (bf16 on GPUs): they check it before receiving
+        self.dtype = served_dtype(server_urls[0])
+
+    def push_if_due(self, model: torch.nn.Module, version: int) -> float:
+        """Hand weights `version` to the sender if the schedule says so; the seconds that took (0 if not due)."""
+        if not self.args.due(self.args.push_interval(), version):
+            return 0.0
+        start = time.perf_counter()
+        bucket_bytes = int(self.args.update_bucket_mb * 2**20)
+        dropped = self.sender.push(model, version, dtype=self.dtype, bucket_bytes=bucket_bytes)
+        push_s = time.perf_counter() - start
+        if dropped:
+            log.warning("servers dropped from weight updates: %s", dropped)
+        return push_s
+
+
+class StepTimer:
+    """Where the trainer's wall time goes, step by step: waiting for data, training, handing the weights over."""
+
+    def __init__(self):
+        self.started: float | None = None  # the first wait for data
+        self.last_step_end: float | None = None
+
+    def waiting_for_data(self) -> None:
+        self.wait_start = time.perf_counter()
+        self.started = self.started or self.wait_start
+
+    def training(self) -> None:
+        self.train_start = time.perf_counter()
+
+    def step_done(self, push_s: float) -> dict[str, float]:
+        """The step's times: `interval` (since the previous step's end, or the first wait), `wait_data_s`,
+        `train_s` (but the push), `push_s`, `elapsed_s` (since the first wait)."""
         now = time.perf_counter()
-
-        token_versions = torch.tensor([v for s in samples for v in s["versions"]])
-        lag = trained_version - token_versions
-        completion_tokens = sum(len(s["completion_ids"]) for s in samples)
-        interval = now - (last_step_end or started)
-        last_step_end = now
-        metrics = {
-            "reward/mean": rewards.mean().item(),
-            "success/rate": (rewards == 1).float().mean().item(),
-            "lag/min": lag.min().item(),
-            "lag/mean": lag.float().mean().item(),
-            "lag/max": lag.max().item(),
-            "samples_per_s": len(samples) / interval,
-            "tokens_per_s": completion_tokens / interval,
-            "grad_norm": grad_norm.item(),
-            "completion/length": completion_tokens / len(samples),
-            "time/wait_data_s": step_start - wait_start,
-            "time/train_s": now - step_start - push_s,
-            "time/push_s": push_s,
-            "time/broadcast_s": sender.last_broadcast_s,
-            "time/elapsed_s": now - started,
-            "samples": version * len(samples),
-            **step_stats,
+        interval = now - (self.last_step_end or self.started)
+        self.last_step_end = now
+        return {
+            "interval": interval,
+            "wait_data_s": self.train_start - self.wait_start,
+            "train_s": now - self.train_start - push_s,
+            "push_s": push_s,
+            "elapsed_s": now - self.started,
         }
-        tracker.log(version, metrics)
-        if version % args.sample_interval == 0 or version == args.steps:
-            tracker.log_samples(
-                version,
-                [
-                    {"problem_id": s["problem_id"], "reward": s["reward"], "completion": s.get("text", "")}
-                    for s in samples[: args.group_size]
-                ],
-            )
-        log.info(
-            "step %d reward %.3f lag %.2f samples/s %.1f",
+
+
+def step_metrics(
+    samples: list[dict], rewards: torch.Tensor, version: int, grad_norm: float, times: dict, broadcast_s: float
+) -> dict[str, float]:
+    """What the step that made weights `version` logs beside `accumulate_gradients`'s stats: rewards, success,
+    lag (the weights the gradient was taken at, `version - 1`, minus the weights that sampled each token),
+    throughput over `times["interval"]` (`StepTimer.step_done`), where the time went."""
+    lag = (version - 1) - torch.tensor([v for s in samples for v in s["versions"]])
+    completion_tokens = sum(len(s["completion_ids"]) for s in samples)
+    return {
+        "reward/mean": rewards.mean().item(),
+        "success/rate": (rewards == 1).float().mean().item(),
+        "lag/min": lag.min().item(),
+        "lag/mean": lag.float().mean().item(),
+        "lag/max": lag.max().item(),
+        "samples_per_s": len(samples) / times["interval"],
+        "tokens_per_s": completion_tokens / times["interval"],
+        "grad_norm": grad_norm,
+        "completion/length": completion_tokens / len(samples),
+        "time/wait_data_s": times["wait_data_s"],
+        "time/train_s": times["train_s"],
+        "time/push_s": times["push_s"],
+        "time/broadcast_s": broadcast_s,
+        "time/elapsed_s": times["elapsed_s"],
+        "samples": version * len(samples),
+    }
+
+
+def log_step(tracker: Tracker, args: GRPOArgs, version: int, samples: list[dict], metrics: dict[str, float]) -> None:
+    """The step's metrics (metrics.jsonl, wandb, a log line), and every `sample_interval` steps a table of the
+    first group's attempts."""
+    tracker.log(version, metrics)
+    if args.due(args.sample_interval, version):
+        tracker.log_samples(
             version,
-            metrics["reward/mean"],
-            metrics["lag/mean"],
-            metrics["samples_per_s"],
+            [
+                {"problem_id": s["problem_id"], "reward": s["reward"], "completion": s.get("text", "")}
+                for s in samples[: args.group_size]
+            ],
         )
-        if args.save_interval and (version % args.save_interval == 0 or version == args.steps):
-            save_checkpoint(args, model, tokenizer, optimizer, version, reader.position - len(buffered))
-    sender.wait()
-    reader.close()
-    tracker.finish()
+    log.info(
+        "step %d reward %.3f lag %.2f samples/s %.1f",
+        version,
+        metrics["reward/mean"],
+        metrics["lag/mean"],
+        metrics["samples_per_s"],
+    )
 
 
+# ----------------------------------------------------------------------------- checkpoint
 MAY_CHANGE_ON_RESUME = {
     "resume",
     "save_interval",
@@ -360,35 +449,33 @@ checkpoint's: the stream position counts groups of its batch size, the optimizer
 
 def save_checkpoint(args: GRPOArgs, model, tokenizer, optimizer, version: int, stream_position: int) -> None:
     """Model and tokenizer (a folder the servers can load), optimizer, version, stream position and the run's
-    settings; written beside and swapped into place, so a crash mid-save keeps the previous checkpoint."""
-    path = os.path.join(args.output_dir, CHECKPOINT)
-    tmp = path + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(os.path.join(tmp, "model"))
-    tokenizer.save_pretrained(os.path.join(tmp, "model"))
-    torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
-    with open(os.path.join(tmp, "state.json"), "w") as f:
-        json.dump({"version": version, "stream_position": stream_position, "settings": checkpoint.settings(args)}, f)
-    checkpoint.swap_in(tmp, path)
+    settings; written beside and swapped into place (`checkpoint.staged`), so a crash mid-save keeps the previous
+    checkpoint."""
+    with checkpoint.staged(checkpoint.folder(args.output_dir)) as staging:
+        model.save_pretrained(os.path.join(staging, "model"))
+        tokenizer.save_pretrained(os.path.join(staging, "model"))
+        torch.save(optimizer.state_dict(), os.path.join(staging, "optimizer.pt"))
+        with open(os.path.join(staging, "state.json"), "w") as f:
+            state = {"version": version, "stream_position": stream_position, "settings": checkpoint.settings(args)}
+            json.dump(state, f)
 
 
 def checkpoint_state(args: GRPOArgs) -> dict:
-    """The checkpoint's version and stream position; a UserError if there is none, or if it was saved with other settings."""
-    checkpoint.recover(os.path.join(args.output_dir, CHECKPOINT))
-    path = os.path.join(args.output_dir, CHECKPOINT, "state.json")
-    if not os.path.exists(path):
+    """The checkpoint's version and stream position; a UserError if there is none, or if it was saved with other
+    settings."""
+    folder = checkpoint.folder(args.output_dir)
+    path = checkpoint.state_file(folder, "state.json")
+    if path is None:
         raise cli.UserError(f"--resume: no checkpoint in {args.output_dir} (none saved yet? see --save-interval)")
     with open(path) as f:
         state = json.load(f)
-    checkpoint.check_same_settings(
-        state.get("settings"), checkpoint.settings(args), MAY_CHANGE_ON_RESUME, os.path.dirname(path)
-    )
+    checkpoint.check_same_settings(state.get("settings"), checkpoint.settings(args), MAY_CHANGE_ON_RESUME, folder)
     return state
 
 
 def checkpoint_model(output_dir: str) -> str:
     """The checkpoint's model folder: what a resumed run's servers and trainer load."""
-    return os.path.join(output_dir, CHECKPOINT, "model")
+    return os.path.join(checkpoint.folder(output_dir), "model")
 
 
 def train_then_exit(args: GRPOArgs, wait_for_servers: Callable[[], list[str]]) -> None:

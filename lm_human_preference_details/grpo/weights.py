@@ -6,11 +6,11 @@ refuses two ranks on one GPU, so a server that shares the trainer's GPU takes gl
 server, not one for all: a server that dies takes only its own group down, and the trainer carries
 on with the others. The groups are built from a TCPStore, outside `torch.distributed`'s default
 group, so a trainer launched by accelerate keeps its own. An update is announced over HTTP with
-every tensor's name, shape and dtype; the server checks them against its model before anything is
-received, then the trainer broadcasts tensor by tensor (PipelineRL's way), or, with a bucket size,
-consecutive tensors concatenated into flat buckets: on gloo every broadcast costs about 0.3 ms of
-CPU on each side however small its tensor, so a small model's 28 tensors cost 20 times what one
-bucket of them does.
+every tensor's name, shape and dtype (`protocol.ParameterSpec`); the server checks them against its
+model before anything is received, then the trainer broadcasts tensor by tensor (PipelineRL's way),
+or, with a bucket size, consecutive tensors concatenated into flat buckets: on gloo every broadcast
+has a CPU cost on each side however small its tensor, which a small model's many small tensors pay
+over and over where one bucket of them pays it once (benchmarks/README.md has the timings).
 """
 
 import contextlib
@@ -21,32 +21,25 @@ import math
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from typing import get_args
 from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
 
 from lm_human_preference_details.grpo.client import ServerError, request_json
+from lm_human_preference_details.grpo.protocol import WIRE_DTYPES, ParameterSpec, WeightBackend
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in WIRE_DTYPES}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
-@dataclass(frozen=True)
-class ParameterSpec:
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-
-    @classmethod
-    def from_json(cls, record: dict) -> "ParameterSpec":
-        return cls(str(record["name"]), tuple(int(d) for d in record["shape"]), str(record["dtype"]))
-
-    def to_json(self) -> dict:
-        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+def served_dtype(url: str) -> torch.dtype:
+    """The dtype of a server's weights (its /health says): updates go out in it, since the server checks the
+    announced dtypes against its own before receiving (bfloat16 on a GPU, where the trainer's are float32)."""
+    return DTYPES[request_json("GET", f"{url}/health")["dtype"]]
 
 
 def parameter_specs(model: torch.nn.Module, dtype: torch.dtype | None = None) -> list[ParameterSpec]:
@@ -86,7 +79,7 @@ class WeightGroup:
         init_method: str,
         rank: int,
         world_size: int,
-        backend: str = "gloo",
+        backend: WeightBackend = "gloo",
         timeout_s: float = 300,
         store: dist.TCPStore | None = None,
     ):
@@ -95,7 +88,7 @@ class WeightGroup:
         url = urlparse(init_method)
         if url.scheme != "tcp" or not url.hostname or not url.port:
             raise ValueError(f"init_method {init_method!r}: expected tcp://HOST:PORT")
-        if backend not in ("gloo", "nccl"):
+        if backend not in get_args(WeightBackend):
             raise ValueError(f"backend {backend!r}: expected gloo or nccl")
         if (rank == 0) != (store is not None) or store is not None and store.port != url.port:
             raise ValueError(f"rank {rank}: rank 0, and only rank 0, passes the listening_store at {init_method}")
@@ -213,7 +206,9 @@ def load_tensors(model: torch.nn.Module, specs: list[ParameterSpec], tensors: li
 class WeightSender:
     """Trainer side: one process group per server; `push` after every optimizer step."""
 
-    def __init__(self, server_urls: list[str], backend: str = "gloo", host: str = "127.0.0.1", timeout_s: float = 300):
+    def __init__(
+        self, server_urls: list[str], backend: WeightBackend = "gloo", host: str = "127.0.0.1", timeout_s: float = 300
+    ):
         self.groups: dict[str, WeightGroup] = {}
         for url in server_urls:
             store = listening_store(host, 2, timeout_s)

@@ -227,7 +227,8 @@ def policy_loss(
         objective = new_logprobs * adv * weight
         clipped = ratio > ratio_cap
     elif loss_type == "ppo_clip":
-        # PipelineRL: rl_step, case "ppo"; ppo.py / OAI train_policy.py#L350-L355
+        # PipelineRL: rl_step, case "ppo"; ppo.py's clipped policy loss
+        # OAI: lm_human_preferences/train_policy.py#L350-L355
         high = clip_eps if clip_eps_high is None else clip_eps_high
         clamped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high)
         objective = torch.minimum(ratio * adv, clamped * adv)

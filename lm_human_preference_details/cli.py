@@ -7,7 +7,7 @@ worker) import `UserError` from here without paying seconds of start-up for them
 import functools
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import TypeVar
 
 import tyro
@@ -33,10 +33,13 @@ def parse(
     default_task: str,
     argv: list[str] | None = None,
     description: str | None = None,
+    presets: Collection[str] = (),
 ) -> T:
     """`--task NAME` picks the preset whose values become the defaults; every other flag overrides them.
-    `--help` opens with `description` (default: the docstring of `args_type`)."""
+    `--help` names the command as the user types it (`command_of` the calling module), opens with `description`
+    (default: the docstring of `args_type`) and lists `presets`, the names `--task` takes."""
     quiet_transformers()
+    prog = command_of(sys._getframe(1).f_globals)
     argv = list(sys.argv[1:] if argv is None else argv)
     task = default_task
     for i, arg in enumerate(argv):
@@ -48,8 +51,21 @@ def parse(
             task = arg.split("=", 1)[1]
             del argv[i]
             break
-    description = f"{description or args_type.__doc__}\n\n`--task NAME` picks a preset of tasks.py (default {default_task}) whose values are the defaults below; any flag overrides them."
-    return tyro.cli(args_type, default=defaults_for_task(task), args=argv, description=description)
+    task_flag = f"--task {{{','.join(presets)}}}" if presets else "--task NAME"
+    description = (
+        f"{description or args_type.__doc__}\n\n`{task_flag}` (default: {default_task}) picks a preset whose values "
+        "are the defaults below; any flag overrides them."
+    )
+    return tyro.cli(args_type, prog=prog, default=defaults_for_task(task), args=argv, description=description)
+
+
+def command_of(module_globals: dict) -> str | None:
+    """`python -m package.module` for the module whose globals these are (its import name, also when it runs as
+    `__main__`); None for a script run by its path, whose command argparse already shows as the user typed it."""
+    spec = module_globals.get("__spec__")
+    if spec is None or not spec.name:
+        return None
+    return f"python -m {spec.name.removesuffix('.__main__')}"
 
 
 def split_passthrough(argv: list[str] | None = None) -> tuple[list[str], list[str]]:
@@ -86,7 +102,7 @@ def make_accelerator():
     # torch.distributed.nn binds the default process group as a default argument of its functions when it is
     # first imported, and DDP imports it: imported after the group exists, it keeps the group alive past
     # destroy_process_group, and gloo's threads then die in the interpreter's teardown (SIGABRT, "terminate
-    # called without an active exception", 3 times in some 340 two-process runs on a loaded machine). Imported
+    # called without an active exception", now and then in two-process runs on a loaded machine). Imported
     # before the group exists, it binds None.
     import torch.distributed.nn  # noqa: F401
     from accelerate import Accelerator

@@ -160,7 +160,8 @@ def chatterbot_texts() -> list[str]:
 BOOK_PASSAGES_URL = (
     "https://openaipublic.blob.core.windows.net/lm-human-preferences/datasets/book_passages/{mode}.jsonl"
 )
-"""OAI's `books` query dataset: passages of books, one JSON string per line (# OAI: lm_human_preferences/datasets/books.py#L10)"""
+"""OAI's `books` query dataset: passages of books, one JSON string per line
+(# OAI: lm_human_preferences/datasets/books.py#L10)"""
 
 TLDR_URL = "https://openaipublic.blob.core.windows.net/lm-human-preferences/tldr/{mode}-subset.json"
 """OAI's `tldr` query dataset: Reddit posts, a JSON list of objects with their text as `content`
@@ -274,8 +275,10 @@ def document_stream(name: str, seed: int) -> Iterator[str]:
     elif name in ("books", "tldr"):
         documents, clean = (book_passages("train"), None) if name == "books" else (tldr_posts("train"), clean_tldr_post)
         while True:  # OAI's generator runs again each epoch: `random.seed(seed)`, so the same order every time
-            # OAI: lm_human_preferences/datasets/books.py#L7-L16, tldr.py#L10-L29, language/datasets.py#L33-L47
-            # (seed 0, shuffle) and #L78 (rerun by repeat())
+            # OAI: lm_human_preferences/datasets/books.py#L7-L16
+            # OAI: lm_human_preferences/datasets/tldr.py#L10-L29
+            # OAI: lm_human_preferences/language/datasets.py#L33-L47 (seed 0, shuffle)
+            # OAI: lm_human_preferences/language/datasets.py#L78 (rerun by repeat())
             order = list(documents)
             random.Random(seed).shuffle(order)  # the same permutation as random.seed(seed); random.shuffle(order)
             yield from order if clean is None else map(clean, order)
@@ -291,8 +294,9 @@ every passage makes one)"""
 class QuerySampler:
     """Batches of left-padded queries (B, query_length), this rank's share of a shuffled stream.
 
-    Each rank reads every `world_size`-th usable document (# OAI: lm_human_preferences/language/datasets.py#L80-L85,
-    `shard`). `batches_drawn` is the position to resume from.
+    Each rank reads every `world_size`-th usable document (OAI's `shard`). `batches_drawn` is the position to
+    resume from.
+    # OAI: lm_human_preferences/language/datasets.py#L80-L85
     """
 
     def __init__(self, task, tokenizer, batch_size: int, seed: int, rank: int = 0, world_size: int = 1):
@@ -314,12 +318,15 @@ class QuerySampler:
                 self.start_token,
                 self.end_token,
             )
-            if not tokens:  # OAI would pad it into an all-pad query, which its model asserts against (model.py#L338)
+            # OAI would pad it into an all-pad query, which its model asserts against:
+            # OAI: lm_human_preferences/language/model.py#L338
+            if not tokens:
                 skipped_in_a_row += 1
                 if skipped_in_a_row == MAX_SKIPPED_DOCUMENTS:  # it would search forever
                     raise UserError(
-                        f"task.query_dataset={self.task.query_dataset}: {MAX_SKIPPED_DOCUMENTS} documents in a row make no query with "
-                        f"task.query_length={self.task.query_length}, start_text={self.task.start_text!r}, end_text={self.task.end_text!r} "
+                        f"task.query_dataset={self.task.query_dataset}: {MAX_SKIPPED_DOCUMENTS} documents in a row "
+                        f"make no query with task.query_length={self.task.query_length}, "
+                        f"start_text={self.task.start_text!r}, end_text={self.task.end_text!r} "
                         "(a query starts after start_text and ends at the last end_text within query_length tokens)"
                     )
                 continue

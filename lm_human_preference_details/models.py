@@ -21,7 +21,9 @@ def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
     """Exclusive cumulative sum of the mask: the index of each token among the real tokens.
 
     Equals `tf.cumsum(mask, axis=1, exclusive=True)`.
-    # OAI: lm_human_preferences/language/model.py#L265-L269, #L296-L297, #L320
+    # OAI: lm_human_preferences/language/model.py#L265-L269
+    # OAI: lm_human_preferences/language/model.py#L296-L297
+    # OAI: lm_human_preferences/language/model.py#L320
     """
     return torch.cumsum(mask, dim=1) - mask
 
@@ -58,7 +60,10 @@ def disable_dropout(model: nn.Module) -> nn.Module:
 
 
 def scalar_head(hidden_size: int, std: float) -> nn.Linear:
-    """A linear map to one number, weight N(0, std), bias 0 (# OAI: lm_human_preferences/language/model.py#L248-L254, fc_layer)."""
+    """A linear map to one number, weight N(0, std), bias 0 (OAI's `fc_layer`).
+
+    # OAI: lm_human_preferences/language/model.py#L248-L254
+    """
     head = nn.Linear(hidden_size, 1)
     nn.init.normal_(head.weight, std=std)
     nn.init.zeros_(head.bias)
@@ -70,8 +75,8 @@ def pretrained_config(path: str):
 
     GPT-2 computes GELU by its tanh approximation (# OAI: lm_human_preferences/language/model.py#L35-L37);
     transformers' `gelu_new` spells it out in seven elementwise ops, `gelu_pytorch_tanh` is the same
-    function in one (equal within float32 rounding, 2.4e-7): the tiny model's training step takes a
-    third less time on a CPU.
+    function (equal within float32 rounding) in one kernel: a small model's step on a CPU spends much of
+    its time in such elementwise passes over its activations.
     """
     config = AutoConfig.from_pretrained(path)
     if getattr(config, "activation_function", None) == "gelu_new":
@@ -92,14 +97,18 @@ def load_causal_lm(name_or_path: str) -> nn.Module:
 class PolicyAndValue(nn.Module):
     """A causal LM and a value head on its final hidden states (shared trunk).
 
-    # OAI: lm_human_preferences/policy.py#L26-L28 (one model, scalar head `value`); the head starts
-    # at zero (# OAI: lm_human_preferences/language/model.py#L368, `scale=0 if head_name == 'value'`).
+    One model with a scalar head `value`, which starts at zero (`scale=0 if head_name == 'value'`).
+    # OAI: lm_human_preferences/policy.py#L26-L28
+    # OAI: lm_human_preferences/language/model.py#L368
     """
+
+    VALUE_HEAD_FILE = "value_head.safetensors"
 
     def __init__(self, lm: nn.Module, vocab_size: int | None = None):
         super().__init__()
         self.lm = lm
-        self.vocab_size = vocab_size  # logits beyond the tokenizer's ids are dropped (# OAI: policy.py#L59)
+        # logits beyond the tokenizer's ids are dropped: # OAI: lm_human_preferences/policy.py#L59
+        self.vocab_size = vocab_size
         self.value_head = scalar_head(lm.config.hidden_size, std=0.0)
         disable_dropout(self)
 
@@ -111,18 +120,24 @@ class PolicyAndValue(nn.Module):
         Only those positions go through the output layer, whose cost and memory grow with the
         positions it sees: of a PPO batch's query + response, the responses are predicted from the
         last query position through the second-to-last position, and the other query positions
-        predict nothing used (with SmolLM2's 49152 ids the output layer is a fifth of the forward).
+        predict nothing used (a large vocabulary makes the output layer a large share of the forward).
         """
         hidden = self.lm.base_model(**masked_inputs(input_ids, pad_id)).last_hidden_state[:, positions]  # (B, T', H)
         logits = self.lm.get_output_embeddings()(hidden)[..., : self.vocab_size]  # (B, T', V)
         return logits, self.value_head(hidden).squeeze(-1)
 
+    def save(self, path: str) -> None:
+        """A folder: the LM as `save_pretrained` writes it (`load_causal_lm` reads it), the value head beside it."""
+        self.lm.save_pretrained(path)
+        head = {k: v.detach().contiguous() for k, v in self.value_head.state_dict().items()}
+        save_file(head, os.path.join(path, self.VALUE_HEAD_FILE))
+
 
 class RewardModel(nn.Module):
     """reward = gain * head(h_last) + bias, on the LM trunk's final hidden state of the last token.
 
-    # OAI: lm_human_preferences/rewards.py#L43-L61 (head on the last token, gain and bias),
-    #L69-L71 (gain and bias are trained with the rest)
+    # OAI: lm_human_preferences/rewards.py#L43-L61 (head on the last token, gain and bias)
+    # OAI: lm_human_preferences/rewards.py#L69-L71 (gain and bias are trained with the rest)
     """
 
     HEAD_FILE = "reward_head.safetensors"

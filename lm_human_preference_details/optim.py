@@ -1,7 +1,7 @@
 """Adam with TensorFlow 1's epsilon placement.
 
-OAI trains with `tf.train.AdamOptimizer(learning_rate, epsilon=1e-5)`
-(# OAI: lm_human_preferences/utils/core.py, `minimize`, about L621-L629). TF1 folds the bias
+OAI trains with `tf.train.AdamOptimizer(learning_rate, epsilon=1e-5)` in its `minimize`
+(# OAI: lm_human_preferences/utils/core.py#L621-L629). TF1 folds the bias
 correction into the step size and adds epsilon to the *uncorrected* sqrt(v):
 
     lr_t = lr * sqrt(1 - b2^t) / (1 - b1^t)
@@ -9,7 +9,7 @@ correction into the step size and adds epsilon to the *uncorrected* sqrt(v):
 
 `torch.optim.Adam` instead divides by `sqrt(v / (1 - b2^t)) + eps`, i.e. it bias-corrects
 before adding eps. Early in training sqrt(1 - b2^t) is small, so TF's eps is effectively
-`eps / sqrt(1 - b2^t)` in torch's terms, up to ~30x larger at t=1: TF1 Adam takes smaller
+`eps / sqrt(1 - b2^t)` in torch's terms, 1 / sqrt(1 - b2) = 32 times larger at t=1 (b2 = 0.999): TF1 Adam takes smaller
 first steps. With eps=1e-5 and small gradients (as in LM fine-tuning) the difference is
 large (see the ablation in benchmarks/ and the "N implementation details" post).
 """
@@ -72,7 +72,7 @@ class AdamTensorFlowStyle(torch.optim.Optimizer):
 def make_optimizer(name: OptimizerName, params, lr: float, eps: float) -> torch.optim.Optimizer:
     """`adam_tf`: OAI's optimizer (the PPO stages' default); `adam_torch`: torch.optim.Adam (the PPO
     ablation, GRPO's default), fused on CPU and CUDA (on CPU torch's default is a Python loop over the
-    parameters: the tiny model's step 0.8 -> 0.2 ms). `params`: tensors, not param groups. A state
+    parameters, slow for a small model's many small tensors). `params`: tensors, not param groups. A state
     loaded from a checkpoint of an unfused Adam keeps its `fused: None` (slower, the same numbers)."""
     if name == "adam_tf":
         return AdamTensorFlowStyle(params, lr=lr, eps=eps)

@@ -4,11 +4,12 @@ Follows `PPOTrainer` in `lm_human_preferences/train_policy.py` and `whiten` /
 `entropy_from_logits` in `lm_human_preferences/utils/core.py` of `openai/lm-human-preferences`
 (master `cbfd210`, TF1). Every function takes tensors and returns tensors (the KL controllers
 hold one Python float); nothing here touches models, files, processes or the network, so the
-stage scripts own the batching, the all-reduces and the logging.
+stage scripts own the batching, the all-reduces (`reduce_across_processes` is given one) and the logging.
 
 Shapes: B = rollouts in the (mini)batch, T = response_length, V = vocabulary size.
 
-Order of one OAI minibatch step (the top of `PPOTrainer.loss`, train_policy.py#L319-L372):
+Order of one OAI minibatch step (the top of `PPOTrainer.loss`,
+# OAI: lm_human_preferences/train_policy.py#L319-L372):
 
     advantages, returns = minibatch_advantages(old_values, rewards, gamma, lam, whiten_rewards)
     loss, stats = ppo_loss(logprobs, values, old_logprobs, old_values, advantages, returns, ...)
@@ -20,6 +21,7 @@ clipped objective and the whitening is visible in the training loop. With nminib
 (the OAI default for the books tasks) whitening per minibatch equals whitening the whole batch.
 """
 
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -32,7 +34,7 @@ def whiten(values: Tensor, shift_mean: bool = True) -> Tensor:
     Mean and variance are taken over every element, the variance is the population one
     (divide by N, as `tf.nn.moments`), and 1e-8 is added before the reciprocal square root.
     With shift_mean=False the mean is added back: only the scale changes (OAI uses this for
-    rewards, train_policy.py#L325, so that their sign is kept).
+    rewards, so that their sign is kept: # OAI: lm_human_preferences/train_policy.py#L325).
     """
     # OAI: lm_human_preferences/utils/core.py#L336-L341
     mean = values.mean()
@@ -60,7 +62,7 @@ class AdaptiveKLController:
     After every PPO batch: `err = clip(current / target - 1, -0.2, 0.2)` and
     `value *= 1 + err * n_steps / horizon`, where `current` is the batch's mean summed KL
     (`objective/kl`, all-reduced over ranks) and `n_steps` the number of episodes in the batch
-    (OAI passes `ppo.batch_size`, train_policy.py#L305). `horizon` is in episodes.
+    (OAI passes `ppo.batch_size`: # OAI: lm_human_preferences/train_policy.py#L305). `horizon` is in episodes.
     """
 
     # OAI: lm_human_preferences/train_policy.py#L115-L124
@@ -99,8 +101,9 @@ def compute_advantages(values: Tensor, rewards: Tensor, gamma: float = 1.0, lam:
     """Generalized advantage estimation over the response tokens.
 
     values: (B, T) value estimates of the rollout (the policy that sampled it).
-    rewards: (B, T) per-token rewards (OAI: already whitened, see `minibatch_advantages`).
-    gamma, lam: discount and GAE lambda; OAI's defaults are 1 and 0.95 (train_policy.py#L56-L57).
+    rewards: (B, T) per-token rewards (OAI's are whitened first, see `minibatch_advantages`).
+    gamma, lam: discount and GAE lambda; OAI's defaults are 1 and 0.95
+        (# OAI: lm_human_preferences/train_policy.py#L56-L57).
     Returns (advantages, returns), both (B, T), not whitened:
         delta_t = r_t + gamma * V_{t+1} - V_t, with V_T = 0 (the episode ends after the response)
         A_t = delta_t + gamma * lam * A_{t+1}
@@ -127,26 +130,28 @@ def minibatch_advantages(
 
     values: (B, T) rollout values; rewards: (B, T) from `compute_rewards`; B is the minibatch.
     Returns (advantages, returns), both (B, T):
-      1. if whiten_rewards, rewards are scaled to unit variance with their mean kept (L324-L325);
-      2. GAE on those rewards; returns = advantages + values (L327-L336), so the value target
+      1. if whiten_rewards, rewards are scaled to unit variance with their mean kept;
+      2. GAE on those rewards; returns = advantages + values, so the value target
          is built from the whitened rewards but the un-whitened advantages;
-      3. advantages whitened with their mean removed, and detached (L338-L339).
+      3. advantages whitened with their mean removed, and detached.
     """
-    # OAI: lm_human_preferences/train_policy.py#L324-L339
-    if whiten_rewards:
+    if whiten_rewards:  # OAI: lm_human_preferences/train_policy.py#L324-L325
         rewards = whiten(rewards, shift_mean=False)
+    # OAI: lm_human_preferences/train_policy.py#L327-L336
     advantages, returns = compute_advantages(values, rewards, gamma, lam)
-    advantages = whiten(advantages).detach()
+    advantages = whiten(advantages).detach()  # OAI: lm_human_preferences/train_policy.py#L338-L339
     return advantages, returns
 
 
 def entropy_from_logits(logits: Tensor) -> Tensor:
     """Entropy of the categorical distribution given by `logits`, over the last axis.
 
-    logits: (..., V), already divided by the temperature (OAI policy.py#L121). Returns (...).
+    logits: (..., V), already divided by the temperature (# OAI: lm_human_preferences/policy.py#L121).
+    Returns (...).
     Equivalent to `-(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)`.
     """
-    # OAI: lm_human_preferences/utils/core.py#L290-L292 (used at policy.py#L124)
+    # OAI: lm_human_preferences/utils/core.py#L290-L292
+    # OAI: lm_human_preferences/policy.py#L124 (where the policy takes its entropy with it)
     pd = torch.softmax(logits, dim=-1)
     return torch.logsumexp(logits, dim=-1) - (pd * logits).sum(dim=-1)
 
@@ -187,6 +192,25 @@ def reduce_minibatch_stats(stats: dict[str, list[Tensor]]) -> dict[str, Tensor]:
     """One value per key over the minibatches (and epochs) of a batch (`stat_reduction`)."""
     reduce = {"max": torch.max, "min": torch.min, "mean": torch.mean}
     return {k: reduce[stat_reduction(k)](torch.stack(v)) for k, v in stats.items()}
+
+
+def reduce_across_processes(stats: dict[str, Tensor], all_reduce: Callable[[Tensor, str], Tensor]) -> dict[str, float]:
+    """Each process's 0-d stats combined over all processes as `stat_reduction` says; the same floats on every one.
+
+    `all_reduce(tensor, "max" | "mean")`: elementwise over the processes, as `accelerate.Accelerator.reduce`, called
+    once per reduction with the stats stacked. It has no min: a min is the negated max of the negated stats.
+    """
+    sign = {k: -1.0 if stat_reduction(k) == "min" else 1.0 for k in stats}
+    by_reduction = {
+        "max": sorted(k for k in stats if stat_reduction(k) != "mean"),
+        "mean": sorted(k for k in stats if stat_reduction(k) == "mean"),
+    }
+    reduced = {}
+    for reduction, keys in by_reduction.items():
+        if keys:
+            values = all_reduce(torch.stack([sign[k] * stats[k].float() for k in keys]), reduction)
+            reduced.update({k: sign[k] * float(v) for k, v in zip(keys, values)})
+    return reduced
 
 
 # the population variances among the stats, and the means they go with

@@ -6,8 +6,9 @@
     4. results:      learning curves (reward-model score, VADER's own score of the samples, KL) as a PNG,
                      and the same queries answered before and after training
 
-`python -m lm_human_preference_details.quickstart` (about 15 minutes on 2 CPU cores; sizes in tasks.py,
-preset `sentiment-smollm2`). Any train_policy.py flag can follow, e.g. `--ppo.total-episodes 320`.
+`python -m lm_human_preference_details.quickstart`: sized to finish on a laptop's CPU while you wait, with a
+progress bar on each long phase (sizes in tasks.py, preset `sentiment-smollm2`). Any train_policy.py flag can
+follow, e.g. `--ppo.total-episodes 320`.
 """
 
 import os
@@ -15,7 +16,7 @@ import sys
 
 import torch
 
-from lm_human_preference_details import cli, labelers, train_policy
+from lm_human_preference_details import cli, labelers, tasks, train_policy
 from lm_human_preference_details.data import QuerySampler, format_queries
 from lm_human_preference_details.models import load_causal_lm
 from lm_human_preference_details.sampling import sample_responses
@@ -46,7 +47,12 @@ def main() -> None:
     if not any(a == "--output-dir" or a.startswith("--output-dir=") for a in argv):
         argv = [*argv, "--output-dir", "runs/quickstart"]
     args = cli.parse(
-        train_policy.Args, train_policy.defaults_for_task, default_task=PRESET, argv=argv, description=__doc__
+        train_policy.Args,
+        train_policy.defaults_for_task,
+        default_task=PRESET,
+        argv=argv,
+        description=__doc__,
+        presets=tasks.PRESETS,
     )
     accelerator = cli.make_accelerator()
     tokenizer = load_tokenizer(args.task.base_model)

@@ -1,10 +1,13 @@
 """Fixed-length sampling as OAI does it: plain categorical sampling from softmax(logits / T).
 
 No top-k, no nucleus (top_k=0, top_p=1), and no stop at EOS: every response has exactly
-`response_length` tokens (# OAI: lm_human_preferences/language/sample.py#L43, policy.py#L103).
+`response_length` tokens (# OAI: lm_human_preferences/language/sample.py#L43,
+# OAI: lm_human_preferences/policy.py#L103).
 A decode loop of our own with the model's KV cache, rather than `generate`, so that these
 semantics (and the position ids of left-padded queries) are explicit and cannot drift.
 """
+
+from collections.abc import Callable
 
 import torch
 
@@ -20,11 +23,13 @@ def sample_responses(
     temperature: float,
     generator: torch.Generator | None = None,
     vocab_size: int | None = None,
+    on_token: Callable[[int], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample `response_length` tokens after left-padded `queries` (B, Q).
 
     `vocab_size`: only the tokenizer's ids are sampled, never the extra rows of a padded embedding
     table (# OAI: lm_human_preferences/policy.py#L59, logits sliced to n_vocab).
+    `on_token`: called with the number of tokens sampled so far after each one (a progress bar's hook).
     Returns responses (B, R) and their logprobs under softmax(logits / temperature) (B, R).
     """
     inputs = masked_inputs(queries, pad_id)
@@ -38,6 +43,8 @@ def sample_responses(
         token = torch.multinomial(log_probs.exp(), 1, generator=generator)  # (B, 1)
         tokens.append(token)
         logprobs.append(torch.gather(log_probs, 1, token))
+        if on_token is not None:
+            on_token(step + 1)
         if step + 1 == response_length:
             break
         mask = torch.cat([mask, torch.ones_like(token)], dim=1)

@@ -20,8 +20,8 @@ class TaskHParams:
     """the pretrained LM that starts the policy, the reference policy and the reward model: a hub name,
     a local folder, or an offline preset (`tiny`, `smollm2-135m`)"""
     query_dataset: str = "books"
-    """where queries come from: `books` (OAI's book passages) or `tldr` (OAI's Reddit posts), downloaded once; `chatterbot`
-    (offline English sentences)"""
+    """where queries come from: `books` (OAI's book passages) or `tldr` (OAI's Reddit posts), downloaded once;
+    `chatterbot` (offline English sentences)"""
     query_length: int = 64
     """tokens per query, padded with the pad id beyond the vocab"""
     query_prefix: str = ""
@@ -29,7 +29,8 @@ class TaskHParams:
     query_suffix: str = ""
     """text put after every query the policy reads"""
     query_seed: int = 0
-    """order of the query documents; OAI's is 0 whatever the run's seed (# OAI: lm_human_preferences/language/datasets.py#L33)"""
+    """order of the query documents; OAI's is 0 whatever the run's seed
+    (# OAI: lm_human_preferences/language/datasets.py#L33)"""
     start_text: str | None = "."
     """a query starts after the first occurrence of this token in the document (None: at its start)"""
     end_text: str | None = None
@@ -111,7 +112,9 @@ class TaskPreset:
 
 
 def _books(labels: str) -> TaskPreset:
-    # OAI: launch.py#L8-L19 (books_task), #L49-L72 (reward experiments), #L116-L138 (policy sentiment)
+    # OAI: launch.py#L8-L19 (books_task)
+    # OAI: launch.py#L49-L72 (reward experiments)
+    # OAI: launch.py#L116-L138 (policy sentiment)
     return TaskPreset(
         task=TaskHParams(
             base_model="gpt2",
@@ -134,7 +137,10 @@ def _books(labels: str) -> TaskPreset:
 
 
 def _tldr() -> TaskPreset:
-    # OAI: launch.py#L36-L47 (summarize_tldr_task), #L50-L55 + #L98-L111 (reward tldr), #L171-L187 (policy tldr)
+    # OAI: launch.py#L36-L47 (summarize_tldr_task)
+    # OAI: launch.py#L50-L55 (reward experiments)
+    # OAI: launch.py#L98-L111 (reward tldr)
+    # OAI: launch.py#L171-L187 (policy tldr)
     return TaskPreset(
         task=TaskHParams(
             base_model="gpt2",
@@ -185,7 +191,7 @@ PRESETS: dict[str, TaskPreset] = {
         ),
     ),
     # a real pretrained LM, offline: SmolLM2-135M learns the VADER labeler's taste for positive text;
-    # sized for the CPU quickstart (about 8 minutes of stage 1, 7 of stage 2 on 2 cores)
+    # sized for the CPU quickstart: stage 1 and stage 2 each take minutes on a laptop's cores
     "sentiment-smollm2": TaskPreset(
         task=TaskHParams(
             # the query wrapped in SmolLM2's chat template, as OAI's tldr task wraps its query in a prefix/suffix

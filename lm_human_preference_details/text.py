@@ -44,10 +44,7 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
 
     The returned tokenizer carries OAI's pad id as `oai_pad_token_id`.
     """
-    from .assets import (
-        resolve_model_path,
-        unknown_model,
-    )  # local presets ("tiny", "smollm2-135m") are built on first use
+    from .assets import resolve_model_path, unknown_model  # offline presets ("tiny", ...) are built on first use
 
     path = resolve_model_path(name_or_path)
     try:
@@ -61,7 +58,7 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
 
 
 def single_token(tokenizer: PreTrainedTokenizerBase, text: str | None, field: str) -> int | None:
-    """The id of `text`, which must encode to exactly one token (OAI: `start_token, = encoder.encode(...)`)."""
+    """The id of `text`, which must encode to exactly one token (as OAI's `start_token, = encoder.encode(...)`)."""
     if text is None:
         return None
     ids = tokenizer.encode(text, add_special_tokens=False)

@@ -1,6 +1,7 @@
 """Stage 2: fine-tune the policy with PPO against the reward model, as OAI's `train_policy.py` does.
 
-    for update = 1 .. num_updates:
+    reward model: `rewards.trained_model`, or stage 1 first in this run (OAI's train_new_model)
+    for update = 1 .. num_updates (from the last checkpoint's with --resume):
         anneal the LR linearly to 0
         rollout:  queries -> responses of exactly `response_length` tokens at the temperature
         score:    truncate after `truncate_token`, reward model on query + truncated response,
@@ -11,7 +12,8 @@
             clipped policy loss + vf_coef * clipped value loss, over `gradient_accumulation_steps`
             micro-batches, one optimizer step (TF-style Adam)
         KL coefficient updated from the KL averaged over all processes
-        log OAI's metrics; checkpoint every `save_interval` updates
+        log OAI's metrics; checkpoint every `save_interval` updates and after the last
+    save the policy (LM, value head, tokenizer) under `output_dir`/policy
 
 `python -m lm_human_preference_details.train_policy --task tiny --output-dir runs/ppo-tiny`
 `accelerate launch lm_human_preference_details/train_policy.py --task sentiment`
@@ -24,7 +26,6 @@ from dataclasses import dataclass, field
 
 import torch
 from accelerate.utils import broadcast_object_list, set_seed
-from safetensors.torch import save_file
 
 from lm_human_preference_details import checkpoint, cli, labelers, ppo, tasks, train_reward
 from lm_human_preference_details.data import QuerySampler, format_queries
@@ -33,7 +34,7 @@ from lm_human_preference_details.optim import OptimizerName, make_optimizer
 from lm_human_preference_details.sampling import sample_responses
 from lm_human_preference_details.tasks import TaskHParams
 from lm_human_preference_details.text import contains_truncate_token, load_tokenizer, strip_pad, truncate_after_token
-from lm_human_preference_details.tracking import RunArgs, Tracker
+from lm_human_preference_details.tracking import RunArgs, Tracker, progress_bar
 
 
 @dataclass
@@ -117,7 +118,8 @@ MAY_CHANGE_ON_RESUME = {
     "wandb_project",
     "run_name",
 }
-"""what a resumed run may set otherwise; the rest of its settings must be the checkpoint's (`checkpoint.check_same_settings`)"""
+"""what a resumed run may set otherwise; the rest of its settings must be the checkpoint's
+(`checkpoint.check_same_settings`)"""
 
 
 def defaults_for_task(name: str) -> Args:
@@ -211,46 +213,89 @@ def forward_responses(model, contexts: torch.Tensor, responses: torch.Tensor, pa
     return logits.float() / temperature, values  # OAI: lm_human_preferences/policy.py#L121
 
 
+def reward_model_and_resume(args: Args, accelerator) -> tuple[str, bool]:
+    """The reward model's folder, and whether stage 2 resumes from a checkpoint (`args.resume` and one saved).
+
+    Without `rewards.trained_model`, stage 1 runs first (OAI's train_new_model), in `output_dir`/reward with the
+    preset's stage-1 settings and this run's task and seed. A resumed run takes the reward model that its stage 1
+    saved: after a kill in stage 2 the checkpoint's policy was trained against it, after a kill between the stages
+    stage 2 starts over with it; a resume with neither is refused. All processes take the path the main process
+    finds.
+    """
+    resume_from_checkpoint = args.resume and checkpoint.saved(args.output_dir, accelerator)
+    if args.rewards.trained_model is not None:
+        return args.rewards.trained_model, args.resume
+    reward_args = train_reward.defaults_for_task(args.preset)  # OAI: launch.py#L116-L138
+    reward_args.task, reward_args.seed = args.task, args.seed
+    reward_args.output_dir, reward_args.wandb_mode = os.path.join(args.output_dir, "reward"), args.wandb_mode
+    reward_args.run_name = f"{args.run_name_for('policy')}_reward"
+    reward_path = os.path.join(reward_args.output_dir, "reward_model")
+    trained = [False]
+    if args.resume and accelerator.is_main_process:
+        checkpoint.recover(reward_path)  # a swap killed between its renames
+        trained[0] = os.path.isdir(reward_path)  # complete: train_reward swaps it in whole
+    broadcast_object_list(trained)  # rank 0 decides, so that all processes take the same path
+    if args.resume and not trained[0]:
+        raise cli.UserError(
+            f"--resume: no reward model in {reward_path}"
+            + (
+                ", which the checkpoint's policy was trained against; resume with --rewards.trained-model, "
+                "or start over"
+                if resume_from_checkpoint
+                else f" and no checkpoint in {args.output_dir}/checkpoint; run without --resume, "
+                "or point --output-dir at the run to resume"
+            )
+        )
+    if not trained[0]:
+        return train_reward.train(reward_args, accelerator), resume_from_checkpoint
+    if not resume_from_checkpoint:  # killed after stage 1, before stage 2's first checkpoint
+        accelerator.print(
+            f"--resume: the reward model in {reward_path} is done and stage 2 saved no checkpoint: it starts over"
+        )
+    return reward_path, resume_from_checkpoint
+
+
+def score_responses(
+    reward_model, queries: torch.Tensor, responses: torch.Tensor, task: TaskHParams, pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The responses as scored, truncated after `task.truncate_token` (B, R), and their scores (B,): the reward
+    model's on the bare query + truncated response, `task.penalty_reward_value` for a response without the token.
+
+    # OAI: lm_human_preferences/train_policy.py#L375-L404
+    """
+    scored = responses
+    if task.truncate_token is not None:
+        scored = truncate_after_token(responses, task.truncate_token, task.truncate_after, pad_id)
+    scores = reward_model(torch.cat([queries, scored], dim=1), pad_id)  # (B,)
+    if task.truncate_token is not None:
+        passes = contains_truncate_token(responses, task.truncate_token, task.truncate_after)
+        scores = torch.where(passes, scores, torch.full_like(scores, task.penalty_reward_value))
+    return scored, scores
+
+
+def decoded(tokenizer, rows: torch.Tensor, pad_id: int) -> list[str]:
+    """The text of each row of token ids, without its pads."""
+    return [tokenizer.decode(strip_pad(row, pad_id)) for row in rows]
+
+
+def save_policy(path: str, policy: PolicyAndValue, tokenizer, accelerator) -> None:
+    """The trained policy (LM, value head, tokenizer: `PolicyAndValue.save`), written by the main process."""
+    if accelerator.is_main_process:
+        policy.save(path)
+        tokenizer.save_pretrained(path)
+        accelerator.print(f"saved the policy to {path}")
+    accelerator.wait_for_everyone()
+
+
 def train(args: Args, accelerator) -> tuple[PolicyAndValue, ppo.AdaptiveKLController | ppo.FixedKLController]:
     """Run stage 2 (and stage 1 first when no reward model is given); returns the policy and its KL controller."""
     validate(args, accelerator.num_processes)
-    requested = checkpoint.settings(
-        args
-    )  # as given: train() fills in the reward model's path, which follows output_dir
+    requested = checkpoint.settings(args)  # as given: the reward model's path, filled in below, follows output_dir
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
     tokenizer = load_tokenizer(args.task.base_model)
     tasks.check_truncate_token(args.task, len(tokenizer))  # like a bad labeler name: an error before stage 1, not after
     eval_labeler = labelers.load_labeler(args.eval_labeler) if args.eval_labeler else None
-    resume_from_checkpoint = args.resume and checkpoint.saved(args.output_dir, accelerator)
-    if args.rewards.trained_model is None:  # OAI: launch.py#L116-L138 (train_new_model): stage 1 first
-        reward_args = train_reward.defaults_for_task(args.preset)
-        reward_args.task, reward_args.seed = args.task, args.seed
-        reward_args.output_dir, reward_args.wandb_mode = os.path.join(args.output_dir, "reward"), args.wandb_mode
-        reward_args.run_name = f"{args.run_name_for('policy')}_reward"
-        reward_path = os.path.join(reward_args.output_dir, "reward_model")
-        trained = [False]
-        if args.resume and accelerator.is_main_process:
-            checkpoint.recover(reward_path)  # a swap killed between its renames
-            trained[0] = os.path.isdir(reward_path)  # complete: train_reward swaps it in whole
-        broadcast_object_list(trained)  # rank 0 decides, so that all processes take the same path
-        if args.resume and not trained[0]:
-            raise cli.UserError(
-                f"--resume: no reward model in {reward_path}"
-                + (
-                    ", which the checkpoint's policy was trained against; resume with --rewards.trained-model, or start over"
-                    if resume_from_checkpoint
-                    else f" and no checkpoint in {args.output_dir}/checkpoint; run without --resume, "
-                    "or point --output-dir at the run to resume"
-                )
-            )
-        if not trained[0]:
-            reward_path = train_reward.train(reward_args, accelerator)
-        elif not resume_from_checkpoint:  # killed after stage 1, before stage 2's first checkpoint
-            accelerator.print(
-                f"--resume: the reward model in {reward_path} is done and stage 2 saved no checkpoint: it starts over"
-            )
-        args.rewards.trained_model = reward_path
-        args.resume = resume_from_checkpoint
+    args.rewards.trained_model, args.resume = reward_model_and_resume(args, accelerator)
     set_seed(args.seed + rank * 100003)  # OAI: lm_human_preferences/utils/core.py#L108-L111
     pad_id = tokenizer.oai_pad_token_id
     reward_model = load_reward_model(args.rewards.trained_model, tokenizer).to(device).requires_grad_(False)
@@ -266,7 +311,7 @@ def train(args: Args, accelerator) -> tuple[PolicyAndValue, ppo.AdaptiveKLContro
     per_process = p.batch_size // world
     minibatch = per_process // p.nminibatches
     micro_batch = minibatch // p.gradient_accumulation_steps
-    num_updates = -(-p.total_episodes // p.batch_size)  # ceil, OAI: lm_human_preferences/train_policy.py#L78-L79
+    num_updates = -(-p.total_episodes // p.batch_size)  # ceil: # OAI: lm_human_preferences/train_policy.py#L78-L79
     sampler = QuerySampler(
         args.task, tokenizer, batch_size=per_process, seed=args.task.query_seed, rank=rank, world_size=world
     )
@@ -275,13 +320,15 @@ def train(args: Args, accelerator) -> tuple[PolicyAndValue, ppo.AdaptiveKLContro
     start_update = 1
     if args.resume:
         loop = checkpoint.load(args.output_dir, accelerator, model, optimizer)
-        checkpoint.check_same_settings(
-            loop.get("settings"), requested, MAY_CHANGE_ON_RESUME, f"{args.output_dir}/checkpoint"
-        )
+        where = f"{args.output_dir}/checkpoint"
+        checkpoint.check_same_settings(loop.get("settings"), requested, MAY_CHANGE_ON_RESUME, where)
         kl_ctl.value, start_update = loop["kl_coef"], loop["update"] + 1
         sampler.skip(loop["sampler_batches"])
         accelerator.print(f"resumed after update {loop['update']}")
     tracker = Tracker.for_run(args, "policy", accelerator, resume_after_step=start_update - 1 if args.resume else None)
+    bar = progress_bar(
+        num_updates, "PPO updates", "update", enabled=accelerator.is_main_process, initial=start_update - 1
+    )
     started = time.time()
     for update in range(start_update, num_updates + 1):
         update_started = time.time()
@@ -289,7 +336,7 @@ def train(args: Args, accelerator) -> tuple[PolicyAndValue, ppo.AdaptiveKLContro
         for group in optimizer.param_groups:
             group["lr"] = lr
 
-        # ---------------------------------------------------------------- rollout
+        # ---------------------------------------------------------------- rollout, score, rewards
         with torch.no_grad():
             queries = next(sampler).to(device)  # (B, Q) bare queries: what the reward model reads
             contexts = format_queries(queries, tokenizer, args.task)  # (B, Q'): what the policy reads
@@ -307,25 +354,14 @@ def train(args: Args, accelerator) -> tuple[PolicyAndValue, ppo.AdaptiveKLContro
             ref_logits, _ = forward_responses(ref_policy, contexts, responses, pad_id, args.task.temperature)
             ref_logprobs = logprobs_of(ref_logits, responses, 1.0)
             del ref_logits
-
-            # ------------------------------------------------------------ score
-            # OAI: lm_human_preferences/train_policy.py#L375-L404: score the truncated response,
-            # penalize a response without the truncate token
-            scored = responses
-            if args.task.truncate_token is not None:
-                scored = truncate_after_token(responses, args.task.truncate_token, args.task.truncate_after, pad_id)
-            scores = reward_model(torch.cat([queries, scored], dim=1), pad_id)  # (B,)
-            if args.task.truncate_token is not None:
-                passes = contains_truncate_token(responses, args.task.truncate_token, args.task.truncate_after)
-                scores = torch.where(passes, scores, torch.full_like(scores, args.task.penalty_reward_value))
+            scored, scores = score_responses(reward_model, queries, responses, args.task, pad_id)  # (B, R), (B,)
             rewards, non_score_reward = ppo.compute_rewards(scores, logprobs, ref_logprobs, kl_ctl.value)
 
         # ---------------------------------------------------------------- PPO epochs
         ppo_stats: dict[str, list[torch.Tensor]] = {}
         for _ in range(p.noptepochs):  # OAI: lm_human_preferences/train_policy.py#L184-L192
             order = torch.randperm(per_process, device=device)
-            for mb_start in range(0, per_process, minibatch):
-                mb = order[mb_start : mb_start + minibatch]
+            for mb in order.split(minibatch):
                 advantages, returns = ppo.minibatch_advantages(
                     values[mb], rewards[mb], p.gamma, p.lam, p.whiten_rewards
                 )
@@ -361,61 +397,44 @@ def train(args: Args, accelerator) -> tuple[PolicyAndValue, ppo.AdaptiveKLContro
 
         # ---------------------------------------------------------------- stats, KL controller
         with torch.no_grad():
-            kl = (logprobs - ref_logprobs).sum(1)  # (B,) OAI: lm_human_preferences/train_policy.py#L217-L262
+            kl = (logprobs - ref_logprobs).sum(1)  # (B,), # OAI: lm_human_preferences/train_policy.py#L217-L262
             local = {
                 "objective/kl": kl.mean(),
-                "objective/entropy": (-logprobs).sum(1).mean(),  # OAI: train_policy.py#L222, summed -logprobs
+                # OAI: lm_human_preferences/train_policy.py#L222 (the summed -logprobs)
+                "objective/entropy": (-logprobs).sum(1).mean(),
                 "objective/scores": scores.mean(),
                 "objective/score_total": (scores + non_score_reward.sum(1)).mean(),
                 "objective/kl_coef": torch.tensor(kl_ctl.value, device=device),
                 **{f"ppo/{k}": v for k, v in ppo.reduce_minibatch_stats(ppo_stats).items()},
             }
             if eval_labeler is not None:
-                texts = [tokenizer.decode(strip_pad(r, pad_id)) for r in scored]
-                query_texts = [tokenizer.decode(strip_pad(q, pad_id)) for q in queries]
-                local["objective/labeler_score"] = torch.tensor(
-                    eval_labeler(query_texts, texts), dtype=torch.float32, device=device
-                ).mean()
-            # across processes as ppo.stat_reduction says (accelerate has no min: the max of the negated)
-            sign = {k: -1.0 if ppo.stat_reduction(k) == "min" else 1.0 for k in local}
-            by_reduction = {
-                "max": sorted(k for k in local if ppo.stat_reduction(k) != "mean"),
-                "mean": sorted(k for k in local if ppo.stat_reduction(k) == "mean"),
-            }
-            metrics = {}
-            for reduction, keys in by_reduction.items():
-                reduced = accelerator.reduce(torch.stack([sign[k] * local[k].float() for k in keys]), reduction)
-                metrics.update({k: sign[k] * float(v) for k, v in zip(keys, reduced)})
-        metrics["ppo/val/var_explained"] = 1 - metrics["ppo/val/error"] / max(
-            metrics["ppo/returns/var"], 1e-12
-        )  # OAI: train_policy.py#L241
+                score = eval_labeler(decoded(tokenizer, queries, pad_id), decoded(tokenizer, scored, pad_id))
+                local["objective/labeler_score"] = torch.tensor(score, dtype=torch.float32, device=device).mean()
+            metrics = ppo.reduce_across_processes(local, accelerator.reduce)
+        # OAI: lm_human_preferences/train_policy.py#L241
+        metrics["ppo/val/var_explained"] = 1 - metrics["ppo/val/error"] / max(metrics["ppo/returns/var"], 1e-12)
         kl_ctl.update(metrics["objective/kl"], p.batch_size)  # OAI: lm_human_preferences/train_policy.py#L305
-        episodes = update * p.batch_size
+
+        # ---------------------------------------------------------------- log, checkpoint
         metrics.update(
             {
                 "ppo/lr": lr,
-                "episodes": episodes,
+                "episodes": update * p.batch_size,
                 "time/update_s": time.time() - update_started,
                 "time/episodes_per_s": (update - start_update + 1) * p.batch_size / (time.time() - started),
             }
         )
         tracker.log(update, metrics)
-        accelerator.print(
-            f"update {update}/{num_updates}  score {metrics['objective/scores']:+.3f}  kl {metrics['objective/kl']:.3f}  "
-            f"kl_coef {kl_ctl.value:.4f}  approxkl {metrics['ppo/policy/approxkl']:.4f}  {metrics['time/update_s']:.1f}s"
-        )
-        if update % args.sample_interval == 0 or update in (1, num_updates):
-            tracker.log_samples(
-                update,
-                [
-                    {
-                        "query": tokenizer.decode(strip_pad(q, pad_id)),
-                        "response": tokenizer.decode(strip_pad(r, pad_id)),
-                        "score": float(s),
-                    }
-                    for q, r, s in list(zip(queries, scored, scores))[:8]
-                ],
+        bar.update()
+        if accelerator.is_local_main_process:  # as accelerator.print, above the progress bar
+            bar.write(
+                f"update {update}/{num_updates}  score {metrics['objective/scores']:+.3f}  "
+                f"kl {metrics['objective/kl']:.3f}  kl_coef {kl_ctl.value:.4f}  "
+                f"approxkl {metrics['ppo/policy/approxkl']:.4f}  {metrics['time/update_s']:.1f}s"
             )
+        if update % args.sample_interval == 0 or update in (1, num_updates):
+            rows = zip(decoded(tokenizer, queries[:8], pad_id), decoded(tokenizer, scored[:8], pad_id), scores[:8])
+            tracker.log_samples(update, [{"query": q, "response": r, "score": float(s)} for q, r, s in rows])
         if (args.save_interval and update % args.save_interval == 0) or update == num_updates:
             loop_state = {
                 "update": update,
@@ -425,25 +444,16 @@ def train(args: Args, accelerator) -> tuple[PolicyAndValue, ppo.AdaptiveKLContro
                 "settings": requested,
             }
             checkpoint.save(args.output_dir, accelerator, model, optimizer, loop_state)
+    bar.close()
 
-    if accelerator.is_main_process:
-        path = os.path.join(args.output_dir, "policy")
-        unwrapped = accelerator.unwrap_model(model)
-        unwrapped.lm.save_pretrained(path)
-        tokenizer.save_pretrained(path)
-        save_file(
-            {k: v.contiguous() for k, v in unwrapped.value_head.state_dict().items()},
-            os.path.join(path, "value_head.safetensors"),
-        )
-        accelerator.print(f"saved the policy to {path}")
-    accelerator.wait_for_everyone()
+    save_policy(os.path.join(args.output_dir, "policy"), accelerator.unwrap_model(model), tokenizer, accelerator)
     tracker.finish()
     return accelerator.unwrap_model(model), kl_ctl
 
 
 @cli.main_with_user_errors
 def main() -> None:
-    args = cli.parse(Args, defaults_for_task, default_task="sentiment")
+    args = cli.parse(Args, defaults_for_task, default_task="sentiment", presets=tasks.PRESETS)
     train(args, cli.make_accelerator())
 
 

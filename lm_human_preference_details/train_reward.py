@@ -1,9 +1,11 @@
 """Stage 1: train a reward model from best-of-N preference labels, as OAI's `train_reward.py` does.
 
+    labels:           `labels.source`, or made on the spot with `labels.labeler` (make_labels.py)
     normalize before: gain, bias := 1, 0; score responses of the reference policy; set gain, bias so
                       that they score N(0, 1)
     one epoch over the first `num_train` labels, LR annealed linearly to 0:
         loss = cross-entropy of softmax(r(q, y_0..y_N-1)) against `best`
+    held-out accuracy on the `num_test` labels after them
     normalize after:  the same again, so the KL coefficient of stage 2 keeps its meaning
     save the reward model (safetensors + config) for train_policy.py
 
@@ -13,7 +15,6 @@
 
 import math
 import os
-import shutil
 from dataclasses import dataclass, field
 
 import torch
@@ -29,7 +30,7 @@ from lm_human_preference_details.optim import OptimizerName, make_optimizer
 from lm_human_preference_details.sampling import sample_responses
 from lm_human_preference_details.tasks import LabelHParams, TaskHParams
 from lm_human_preference_details.text import load_tokenizer
-from lm_human_preference_details.tracking import RunArgs, Tracker
+from lm_human_preference_details.tracking import RunArgs, Tracker, progress_bar
 
 
 @dataclass
@@ -39,11 +40,11 @@ class Args(RunArgs):
     task: TaskHParams = field(default_factory=TaskHParams)
     labels: LabelHParams = field(default_factory=LabelHParams)
     batch_size: int = 32
-    """labels per optimizer step, over all processes (OAI: 32 for books tasks)"""
+    """labels per optimizer step, over all processes (OAI's books tasks: 32)"""
     lr: float = 5e-5
     """learning rate at the start; annealed linearly to 0 over the epoch"""
     adam_eps: float = 1e-5
-    """Adam epsilon (OAI: TF1 default for its runs, 1e-5)"""
+    """Adam epsilon; OAI's is 1e-5 (# OAI: lm_human_preferences/utils/core.py#L627)"""
     optimizer: OptimizerName = "adam_tf"
     """`adam_tf`: TensorFlow 1's Adam as OAI (eps outside the bias correction); `adam_torch`: torch.optim.Adam"""
     rollout_batch_size: int = 512
@@ -98,7 +99,10 @@ def validate(args: Args, world_size: int) -> None:
 
 
 def query_responses_of(queries: torch.Tensor, samples: torch.Tensor) -> torch.Tensor:
-    """(B, Q), (B, K, R) -> (B*K, Q+R): each query before each of its responses (# OAI: rewards.py#L105-L107)."""
+    """(B, Q), (B, K, R) -> (B*K, Q+R): each query before each of its responses.
+
+    # OAI: lm_human_preferences/rewards.py#L105-L107
+    """
     num_responses = samples.shape[1]
     return torch.cat([queries.repeat_interleave(num_responses, dim=0), samples.flatten(0, 1)], dim=1)
 
@@ -114,8 +118,9 @@ def reference_reward_stats(
 ) -> tuple[float, float]:
     """Mean and population std of the reward of reference-policy samples, over all processes.
 
-    # OAI: lm_human_preferences/train_reward.py#L162-L168 (stats), #L190-L199 (sample_policy_batch):
-    responses are sampled untruncated, from the formatted query; the reward model reads the bare query.
+    Responses are sampled untruncated, from the formatted query; the reward model reads the bare query.
+    # OAI: lm_human_preferences/train_reward.py#L162-L168 (stats)
+    # OAI: lm_human_preferences/train_reward.py#L190-L199 (sample_policy_batch)
     """
     pad_id = tokenizer.oai_pad_token_id
     rollout_batch_size = sampler.batch_size * accelerator.num_processes
@@ -142,12 +147,14 @@ def reference_reward_stats(
 def normalize(reward_model, measure, debug_samples: int, tracker: Tracker, step: int, when: str, accelerator) -> None:
     """gain, bias := 1, 0; measure; set gain and bias to map the measured N(mean, std) to N(0, 1).
 
-    # OAI: lm_human_preferences/train_reward.py#L207-L219 (normalize), rewards.py#L77-L89 (set_reward_norm).
     For best_of_N labels the target is N(0, 1) both before and after (PickBest.target_scales is None).
+    # OAI: lm_human_preferences/train_reward.py#L207-L219 (normalize)
+    # OAI: lm_human_preferences/rewards.py#L77-L89 (set_reward_norm)
     """
     reward_model.reset_reward_scale()
     mean, std = measure(None)
-    if not (math.isfinite(mean) and math.isfinite(std) and std > 0):  # OAI asserts finite: train_reward.py#L182-L186
+    # OAI: lm_human_preferences/train_reward.py#L182-L186 asserts them finite
+    if not (math.isfinite(mean) and math.isfinite(std) and std > 0):
         raise RuntimeError(
             f"normalize {when}: the reference samples' rewards have mean {mean} and std {std}; gain and bias "
             "need a finite mean and a std above 0 (a reward model that diverged, or scores every sample alike)"
@@ -208,8 +215,9 @@ def accuracy(reward_model, labels: Labels, pad_id: int, batch_size: int, acceler
 def train(args: Args, accelerator: Accelerator) -> str:
     """Run stage 1; returns the folder of the trained reward model."""
     validate(args, accelerator.num_processes)
-    # every process builds the same reward head, as OAI's rank 0 broadcasts its initial weights
-    # (# OAI: lm_human_preferences/train_reward.py, `sync_models` before training); then each its own stream
+    # every process builds the same reward head, as OAI's rank 0 broadcasts its initial weights (`sync_models`
+    # before training); then each its own stream
+    # OAI: lm_human_preferences/train_reward.py#L317-L324
     set_seed(args.seed)
     reward_model = RewardModel.from_pretrained_lm(args.task.base_model).to(accelerator.device)
     set_seed(args.seed + accelerator.process_index * 100003)  # OAI: lm_human_preferences/utils/core.py#L108-L111
@@ -241,9 +249,11 @@ def train(args: Args, accelerator: Accelerator) -> str:
 
     optimizer = make_optimizer(args.optimizer, reward_model.parameters(), args.lr, args.adam_eps)
     model, optimizer = accelerator.prepare(reward_model, optimizer)
-    # one shuffle shared by all processes, so each label is trained on exactly once (# OAI: train_reward.py#L240-L241)
+    # one shuffle shared by all processes, so each label is trained on exactly once
+    # OAI: lm_human_preferences/train_reward.py#L240-L241
     order = torch.randperm(args.labels.num_train, generator=torch.Generator().manual_seed(args.seed))
     num_steps = args.labels.num_train // args.batch_size
+    bar = progress_bar(num_steps, "reward model", "batch", enabled=accelerator.is_main_process)
     for step, start in enumerate(range(0, args.labels.num_train, args.batch_size), start=1):
         lr = (1 - start / args.labels.num_train) * args.lr  # OAI: lm_human_preferences/train_reward.py#L249
         for group in optimizer.param_groups:
@@ -260,33 +270,39 @@ def train(args: Args, accelerator: Accelerator) -> str:
             torch.stack([loss.detach(), (logits.argmax(1) == batch.best).float().mean()]), "mean"
         )
         tracker.log(step, {"train/loss": stats[0], "train/accuracy": stats[1], "train/lr": lr})
-        if step % max(1, num_steps // 10) == 0 or step == num_steps:
-            accelerator.print(f"step {step}/{num_steps}  loss {float(stats[0]):.4f}  accuracy {float(stats[1]):.3f}")
+        bar.update()
+        if (step % max(1, num_steps // 10) == 0 or step == num_steps) and accelerator.is_local_main_process:
+            bar.write(f"step {step}/{num_steps}  loss {float(stats[0]):.4f}  accuracy {float(stats[1]):.3f}")
+    bar.close()
 
     if len(test_labels):
         test_accuracy = accuracy(reward_model, test_labels, pad_id, args.batch_size, accelerator)
         tracker.log(num_steps, {"test/accuracy": test_accuracy})
-        accelerator.print(
-            f"held-out accuracy on {len(test_labels)} labels: {test_accuracy:.3f} (chance {1 / args.labels.num_responses:.3f})"
-        )
+        chance = 1 / args.labels.num_responses
+        accelerator.print(f"held-out accuracy on {len(test_labels)} labels: {test_accuracy:.3f} (chance {chance:.3f})")
     if args.normalize_after:  # OAI: lm_human_preferences/train_reward.py#L252-L254
         normalize(reward_model, measure, args.debug_normalize, tracker, num_steps, "after", accelerator)
 
     path = os.path.join(args.output_dir, "reward_model")
-    if accelerator.is_main_process:  # written beside, then swapped in: a folder there is a complete one
-        shutil.rmtree(path + ".saving", ignore_errors=True)
-        reward_model.save(path + ".saving")
-        tokenizer.save_pretrained(path + ".saving")
-        checkpoint.swap_in(path + ".saving", path)
-        accelerator.print(f"saved the reward model to {path}")
-    accelerator.wait_for_everyone()
+    save_reward_model(path, reward_model, tokenizer, accelerator)
     tracker.finish()
     return path
 
 
+def save_reward_model(path: str, reward_model: RewardModel, tokenizer, accelerator) -> None:
+    """The trained reward model and its tokenizer (`RewardModel.save`), written by the main process beside `path`
+    and swapped in whole (`checkpoint.staged`): a folder at `path` is a complete one, which a resumed stage 2
+    takes as stage 1 done."""
+    with checkpoint.staged(path, accelerator) as staging:
+        if accelerator.is_main_process:
+            reward_model.save(staging)
+            tokenizer.save_pretrained(staging)
+    accelerator.print(f"saved the reward model to {path}")
+
+
 @cli.main_with_user_errors
 def main() -> None:
-    args = cli.parse(Args, defaults_for_task, default_task="sentiment")
+    args = cli.parse(Args, defaults_for_task, default_task="sentiment", presets=tasks.PRESETS)
     train(args, cli.make_accelerator())
 
 

@@ -27,7 +27,7 @@ main()
 def native_threads():
     return [open(f"/proc/self/task/{task}/comm").read().strip() for task in os.listdir("/proc/self/task")]
 
-# gloo's tcp loop thread sometimes ends a moment after destroy_process_group returns (1 run in hundreds):
+# gloo's tcp loop thread now and then ends a moment after destroy_process_group returns:
 # a group kept alive keeps it for good, so the list is taken once no gloo thread is left, or after 5 s
 deadline = time.monotonic() + 5
 threads = native_threads()
@@ -97,7 +97,8 @@ def test_quiet_transformers_works_before_and_after_transformers_is_imported_and_
     ],
 )
 def test_a_script_that_takes_another_stages_flags_describes_itself_in_help(monkeypatch, capsys, module, purpose, flag):
-    """quickstart takes train_policy's flags and the GRPO roles the launcher's: --help still says what the script does."""
+    """quickstart takes train_policy's flags and the GRPO roles the launcher's: --help still says what the script
+    does."""
     import importlib
 
     script = importlib.import_module(f"lm_human_preference_details.{module}")
@@ -108,3 +109,31 @@ def test_a_script_that_takes_another_stages_flags_describes_itself_in_help(monke
     assert exit_info.value.code == 0
     assert purpose in help_text and "Stage 2" not in help_text and "trained the PipelineRL way" not in help_text
     assert flag in help_text
+
+
+@pytest.mark.parametrize(
+    "module, default_task",
+    [
+        ("train_policy", "sentiment"),
+        ("train_reward", "sentiment"),
+        ("make_labels", "sentiment"),
+        ("quickstart", "sentiment-smollm2"),
+    ],
+)
+def test_help_shows_the_command_as_typed_and_the_task_presets(monkeypatch, capsys, module, default_task):
+    """`python -m lm_human_preference_details.X --help` names that command (argparse would show the script's
+    absolute path, which `python -m` puts in argv[0]) and lists the names `--task` takes, with its default."""
+    import importlib
+
+    from lm_human_preference_details.tasks import PRESETS
+
+    script = importlib.import_module(f"lm_human_preference_details.{module}")
+    monkeypatch.setattr(sys, "argv", [script.__file__, "--help"])
+    with pytest.raises(SystemExit) as exit_info:
+        script.main()
+    help_text = " ".join(capsys.readouterr().out.split())  # as one line, however the terminal wraps it
+    assert exit_info.value.code == 0
+    assert help_text.startswith(f"usage: python -m lm_human_preference_details.{module} [-h]")
+    assert script.__file__ not in help_text
+    assert f"--task {{{','.join(PRESETS)}}}` (default: {default_task})" in help_text
+    assert "{sentiment,descriptiveness,tldr,tiny,sentiment-smollm2}" in help_text

@@ -1,4 +1,5 @@
-"""Label files in OAI's JSON format, the query sampler over the offline chatterbot corpus, OAI's book passages and TL;DR posts."""
+"""Label files in OAI's JSON format, the query sampler over the offline chatterbot corpus, OAI's book passages and
+TL;DR posts."""
 
 import json
 
@@ -53,7 +54,10 @@ def test_round_trip(label_file):
 
 
 def test_written_file_is_oai_format(label_file):
-    """Queries right-padded to query_length in the file, sample0..sampleK-1, best (label_types.py#L31-L53)."""
+    """Queries right-padded to query_length in the file, sample0..sampleK-1, best.
+
+    # OAI: lm_human_preferences/label_types.py#L31-L53
+    """
     path, labels = label_file
     with open(path) as f:
         records = json.load(f)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 import torch
+from safetensors.torch import load_file
 from transformers import GPT2Config, GPT2Model
 
 from lm_human_preference_details.models import (
@@ -106,7 +107,10 @@ def test_policy_at_positions_is_the_full_forward_sliced(policy, pad_id):
 
 @torch.no_grad()
 def test_policy_pads_between_query_and_suffix_change_nothing(policy, pad_id):
-    """OAI right-pads the query and appends the suffix after the pads (lm_tasks.py#L68-L79)."""
+    """OAI right-pads the query and appends the suffix after the pads.
+
+    # OAI: lm_human_preferences/lm_tasks.py#L68-L79
+    """
     vocab = policy.lm.config.vocab_size
     query, suffix = real_sequences([6, 3], vocab, seed=2)
     oai_layout = torch.tensor([query + [pad_id] * 4 + suffix])
@@ -143,8 +147,11 @@ def test_reward_ignores_left_padding(reward_model, pad_id):
 
 
 def test_reward_of_a_truncated_response_is_read_at_its_last_real_token(reward_model, pad_id):
-    """OAI gives pad positions the output of the last real token (language/model.py#L334-L340):
-    trailing pads after a truncated response must not change its reward."""
+    """OAI gives pad positions the output of the last real token: trailing pads after a truncated response must
+    not change its reward.
+
+    # OAI: lm_human_preferences/language/model.py#L334-L340
+    """
     vocab = reward_model.backbone.config.vocab_size
     seqs = real_sequences([10, 7, 13], vocab, seed=5)
     trailing = torch.tensor([s + [pad_id] * (16 - len(s)) for s in seqs])  # query+response, then truncation pads
@@ -178,7 +185,11 @@ def test_value_head_starts_at_zero(pad_id):
 
 
 def test_reward_head_init():
-    """N(0, 1/sqrt(d_model + 1)), bias 0, gain 1, bias 0 (# OAI: language/model.py#L254, rewards.py#L50-L51)."""
+    """N(0, 1/sqrt(d_model + 1)), bias 0, gain 1, bias 0.
+
+    # OAI: lm_human_preferences/language/model.py#L254
+    # OAI: lm_human_preferences/rewards.py#L50-L51
+    """
     d = 4096  # wide, so that the empirical std of the d weights is within ~1%
     backbone = GPT2Model(
         GPT2Config(vocab_size=34, n_positions=8, n_embd=d, n_layer=0, n_head=4, bos_token_id=0, eos_token_id=0)
@@ -268,13 +279,30 @@ def test_reward_model_save_load_round_trip(tmp_path, pad_id):
         assert torch.equal(tensor, expected[name]), name
 
 
+@torch.no_grad()
+def test_policy_save_writes_what_load_causal_lm_and_the_value_head_file_read(tmp_path, policy, pad_id):
+    """The final policy of stage 2: the same logits from the LM `load_causal_lm` reads back, the same value head."""
+    policy.save(str(tmp_path / "policy"))
+    lm = load_causal_lm(str(tmp_path / "policy"))
+    head = load_file(tmp_path / "policy" / PolicyAndValue.VALUE_HEAD_FILE)
+    assert head.keys() == {"weight", "bias"}
+    loaded = PolicyAndValue(lm)
+    loaded.value_head.load_state_dict(head)
+    batch = pad_left(real_sequences([3, 10, 7], lm.config.vocab_size, seed=7), 10, pad_id)
+    for got, expected in zip(loaded(batch, pad_id), policy(batch, pad_id)):
+        assert torch.equal(got, expected)
+
+
 def test_reward_model_load_missing(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a reward model folder"):
         RewardModel.load(str(tmp_path))
 
 
 def test_loaded_gpt2_activation_is_oai_gelu():
-    """GPT-2 loads with torch's fused tanh-GELU: OAI's gelu (language/model.py#L35-L37) computed by TF, within float32 rounding."""
+    """GPT-2 loads with torch's fused tanh-GELU: OAI's gelu computed by TF, within float32 rounding.
+
+    # OAI: lm_human_preferences/language/model.py#L35-L37
+    """
     x = np.random.default_rng(0).normal(0, 3, size=(4096,)).astype(np.float32)
     oai = (0.5 * x * (1 + tf.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * tf.pow(x, 3))))).numpy()
     activation = load_causal_lm("tiny").transformer.h[0].mlp.act

@@ -1,6 +1,6 @@
 """AdamTensorFlowStyle against TensorFlow's own `tf.compat.v1.train.AdamOptimizer`.
 
-OAI trains with `tf.train.AdamOptimizer(lr, epsilon=1e-5)` (# OAI: lm_human_preferences/utils/core.py#L224-L229).
+OAI trains with `tf.train.AdamOptimizer(lr, epsilon=1e-5)` (# OAI: lm_human_preferences/utils/core.py#L621-L629).
 The TF optimizer runs in graph mode inside its own `tf.Graph`, so TensorFlow's global eager mode is untouched.
 """
 
@@ -118,7 +118,7 @@ def test_first_step_closed_form_and_torch_adam_differs():
     b1, b2 = BETAS
     closed_form = -LR * np.sqrt(1 - b2) / (1 - b1) * (1 - b1) * g / (np.sqrt(1 - b2) * g + EPS)
     np.testing.assert_allclose(ours, closed_form, rtol=1e-12)
-    # TF1 keeps lr, betas, eps and the beta powers in float32 even for float64 variables: ~5e-6 relative
+    # TF1 keeps lr, betas, eps and the beta powers in float32 even for float64 variables: float32's rounding
     np.testing.assert_allclose(ours, tf_step, rtol=2e-5)
     np.testing.assert_allclose(theirs, -LR * g / (g + EPS), rtol=1e-12)  # torch: eps added after bias correction
     ratio = np.abs(theirs).max() / np.abs(ours).max()

@@ -6,6 +6,7 @@ nothing here switches TensorFlow's global eager mode off for other test files.
 """
 
 import os
+import threading
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # TensorFlow: errors only
 
@@ -19,7 +20,8 @@ from lm_human_preference_details import ppo
 tf1 = tf.compat.v1
 
 B, T, V = 8, 24, 16
-HP = dict(gamma=1.0, lam=0.95, cliprange=0.2, cliprange_value=0.2, vf_coef=0.1)  # OAI train_policy.py#L53-L57
+# OAI: lm_human_preferences/train_policy.py#L53-L57
+HP = dict(gamma=1.0, lam=0.95, cliprange=0.2, cliprange_value=0.2, vf_coef=0.1)
 OAI_STAT_KEYS = {  # OAI: lm_human_preferences/train_policy.py#L201-L206
     "loss/policy", "loss/value", "loss/total",
     "policy/entropy", "policy/approxkl", "policy/clipfrac",
@@ -33,20 +35,20 @@ TOL = {np.float32: dict(rtol=1e-5, atol=1e-5), np.float64: dict(rtol=1e-10, atol
 
 # ----------------------------------------------------------------------------- TF references
 def tf_whiten(x, shift_mean=True):
-    """OAI: lm_human_preferences/utils/core.py#L336-L341, in TF."""
+    """TF's whiten (# OAI: lm_human_preferences/utils/core.py#L336-L341)."""
     mean, var = tf.nn.moments(x, axes=list(range(x.shape.rank)))
     out = (x - mean) * tf.math.rsqrt(var + 1e-8)
     return out + mean if not shift_mean else out
 
 
 def tf_entropy_from_logits(logits):
-    """OAI: lm_human_preferences/utils/core.py#L290-L292, in TF."""
+    """TF's entropy_from_logits (# OAI: lm_human_preferences/utils/core.py#L290-L292)."""
     probs = tf.nn.softmax(logits, axis=-1)
     return tf.math.reduce_logsumexp(logits, axis=-1) - tf.reduce_sum(probs * logits, axis=-1)
 
 
 def tf_oai_loss(values, old_logprob, rewards, logprob, vpred, entropies, *, whiten_rewards, n_tokens):
-    """`PPOTrainer.loss` (OAI: lm_human_preferences/train_policy.py#L319-L372), in TF graph ops.
+    """`PPOTrainer.loss` (# OAI: lm_human_preferences/train_policy.py#L319-L372), in TF graph ops.
 
     The policy's forward pass (`analyze_responses_op`) is replaced by the fed tensors `logprob`,
     `vpred` and `entropies` (B, T), so only the loss arithmetic is compared.
@@ -141,7 +143,10 @@ def test_fixed_kl_controller_never_moves():
 
 
 def test_adaptive_kl_controller_sequence():
-    target, horizon, n_steps, init = 6.0, 10000, 512, 0.15  # OAI launch.py, books tasks
+    # OAI's sentiment run, and its default horizon:
+    # OAI: launch.py#L116-L138
+    # OAI: lm_human_preferences/train_policy.py#L28
+    target, horizon, n_steps, init = 6.0, 10000, 512, 0.15
     kls = [6.0, 9.0, 3.0, 7.0, 5.5, 100.0, 0.0, 6.6, 4.8, 7.2, 6.3]
     # kl / target - 1, clipped to [-0.2, 0.2], worked out by hand for each kl above
     errors = np.array([0.0, 0.2, -0.2, 1 / 6, -1 / 12, 0.2, -0.2, 0.1, -0.2, 0.2, 0.05])
@@ -199,7 +204,8 @@ def test_gae_matches_float64_loop(gamma, lam, dtype):
 def test_gae_properties():
     data = rollouts(np.float64)
     values, rewards = torch.from_numpy(data["values"]), torch.from_numpy(data["rewards"])
-    # the defaults are OAI's gamma = 1, lam = 0.95 (train_policy.py#L56-L57), and they matter
+    # the defaults are OAI's gamma = 1, lam = 0.95, and they matter
+    # OAI: lm_human_preferences/train_policy.py#L56-L57
     default = ppo.compute_advantages(values, rewards)
     torch.testing.assert_close(default, ppo.compute_advantages(values, rewards, 1.0, 0.95))
     assert not torch.allclose(default[0], ppo.compute_advantages(values, rewards, 0.99, 0.95)[0])
@@ -347,3 +353,34 @@ def test_micro_batch_stats_merge_into_the_stats_of_the_whole_minibatch():
     for key, value in whole.items():
         torch.testing.assert_close(merged[key], value, msg=key)
     assert set(ppo.MEAN_OF_VARIANCE) <= whole.keys() and set(ppo.MEAN_OF_VARIANCE.values()) <= whole.keys()
+
+
+def test_stats_reduce_across_processes_as_stat_reduction_says_though_the_all_reduce_has_no_min():
+    """Two processes (threads here) combine their stats through an all-reduce with accelerate's semantics (`mean`:
+    the sum over processes divided by their number; `max`): means average, maxima and minima are the extremes."""
+    keys = ("objective/kl", "ppo/policy/ratio_max", "ppo/policy/ratio_min", "ppo/policy/logprob_diff_min")
+    local = [dict(zip(keys, (1.0, 1.5, 0.5, -2.0))), dict(zip(keys, (4.0, 1.25, 0.75, -3.0)))]
+    barrier, posted, results = threading.Barrier(2, timeout=30), [None, None], [None, None]
+
+    def all_reduce_of(rank):
+        def all_reduce(tensor, reduction):
+            posted[rank] = tensor
+            barrier.wait()  # both processes have posted theirs
+            stacked = torch.stack(posted)
+            reduced = stacked.max(0).values if reduction == "max" else stacked.sum(0) / len(stacked)
+            barrier.wait()  # both have read the other's before either posts again
+            return reduced
+
+        return all_reduce
+
+    def process(rank):
+        stats = {k: torch.tensor(v) for k, v in local[rank].items()}
+        results[rank] = ppo.reduce_across_processes(stats, all_reduce_of(rank))
+
+    threads = [threading.Thread(target=process, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    expected = dict(zip(keys, (2.5, 1.5, 0.5, -3.0)))
+    assert results[0] == expected and results[1] == expected

@@ -1,4 +1,8 @@
-"""Fixed-length categorical sampling (# OAI: lm_human_preferences/language/sample.py#L43, policy.py#L103)."""
+"""Fixed-length categorical sampling.
+
+# OAI: lm_human_preferences/language/sample.py#L43
+# OAI: lm_human_preferences/policy.py#L103
+"""
 
 import pytest
 import torch
@@ -77,7 +81,7 @@ def test_fixed_length_even_when_eos_dominates(lm, tokenizer):
 
     def prefer_eos(module, args, output):
         output = output.clone()
-        output[..., eos] += 6.0  # EOS ~80% of the draws at temperature 1
+        output[..., eos] += 6.0  # EOS most of the draws at temperature 1
         return output
 
     handle = lm.get_output_embeddings().register_forward_hook(prefer_eos)
@@ -99,7 +103,10 @@ def test_fixed_length_even_when_eos_dominates(lm, tokenizer):
 
 
 def test_never_samples_beyond_the_tokenizer_vocab():
-    """A model whose embedding table has extra rows (padded vocab) must not sample them (OAI policy.py#L59)."""
+    """A model whose embedding table has extra rows (padded vocab) must not sample them.
+
+    # OAI: lm_human_preferences/policy.py#L59
+    """
     tokenizer = load_tokenizer("tiny")
     pad_id = tokenizer.oai_pad_token_id
     lm = load_causal_lm("tiny")

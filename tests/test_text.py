@@ -144,7 +144,7 @@ def test_query_tokens_matches_oai_on_random_documents():
 
 # ----------------------------------------------------------------------------- truncation (TF reference)
 def tf_truncate_and_filter(responses: np.ndarray, truncate_token: int, truncate_after: int, pad_id: int):
-    """OAI: lm_human_preferences/lm_tasks.py#L39-L65 (get_mask, truncate, filter), eager TensorFlow."""
+    """OAI's get_mask, truncate and filter in eager TensorFlow (# OAI: lm_human_preferences/lm_tasks.py#L39-L65)."""
     responses = tf.constant(responses)
     mask = tf.cast(tf.equal(responses, truncate_token), tf.int32)
     mask = tf.concat([tf.zeros_like(mask)[:, :truncate_after], mask[:, truncate_after:]], axis=1)

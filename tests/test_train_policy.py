@@ -13,7 +13,8 @@ from conftest import accelerate_two_processes
 from safetensors.torch import load_file
 
 from lm_human_preference_details import train_policy
-from lm_human_preference_details.models import PolicyAndValue, load_causal_lm
+from lm_human_preference_details.models import PolicyAndValue, RewardModel, load_causal_lm
+from lm_human_preference_details.text import load_tokenizer
 from lm_human_preference_details.tracking import read_metrics
 
 QUIET = ("--wandb-mode", "disabled")
@@ -31,24 +32,14 @@ def run(cmd, timeout=600) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def tiny_reward_model(tmp_path_factory) -> str:
-    out = tmp_path_factory.mktemp("reward")
-    run(
-        [
-            sys.executable,
-            "-m",
-            "lm_human_preference_details.train_reward",
-            "--task",
-            "tiny",
-            "--output-dir",
-            str(out),
-            *QUIET,
-            "--labels.num-train",
-            "1024",
-            "--labels.num-test",
-            "64",
-        ]
-    )
-    return str(out / "reward_model")
+    """A reward model folder as train_reward.py saves one, on the tiny preset, untrained (a seeded head): the tests
+    that take it check stage 2's mechanics, none of them what a trained reward model teaches."""
+    path = str(tmp_path_factory.mktemp("reward") / "reward_model")
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        RewardModel.from_pretrained_lm("tiny").save(path)
+    load_tokenizer("tiny").save_pretrained(path)
+    return path
 
 
 @pytest.mark.slow
@@ -224,9 +215,6 @@ def test_a_run_killed_in_or_after_its_own_stage_1_resumes_where_it_can(
 
 
 def test_reward_model_from_another_tokenizer_is_refused(tmp_path, tiny_reward_model, monkeypatch, capsys):
-    from lm_human_preference_details.models import RewardModel
-    from lm_human_preference_details.text import load_tokenizer
-
     foreign = tmp_path / "foreign"
     RewardModel.load(tiny_reward_model).save(str(foreign))
     load_tokenizer("gpt2").save_pretrained(str(foreign))  # as if trained on GPT-2's vocabulary

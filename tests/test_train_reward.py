@@ -262,7 +262,7 @@ def test_make_labels_labels_only_queries_whose_responses_all_pass_the_truncation
     from lm_human_preference_details.text import contains_truncate_token, strip_pad
 
     tokenizer = load_tokenizer("tiny")
-    k = tokenizer.encode("k")[0]  # the untrained-looking tiny model samples each character 2-4% of the time
+    k = tokenizer.encode("k")[0]  # the untrained-looking tiny model samples every character now and then
     task = dataclasses.replace(get_preset("tiny").task, truncate_token=k, truncate_after=1)
     lm = load_causal_lm(task.base_model)
     seen = []
@@ -280,7 +280,6 @@ def test_make_labels_labels_only_queries_whose_responses_all_pass_the_truncation
         labeler,
         num_labels=12,
         num_responses=2,
-        progress=lambda line: None,
     )
     assert len(labels) == 12 and len(seen) >= 2 * 12
     assert all(text.endswith("k") for text in seen)  # the labeler saw passing responses only, cut after their k
@@ -293,7 +292,7 @@ def test_make_labels_labels_only_queries_whose_responses_all_pass_the_truncation
     assert not torch.equal(labels.queries, first_queries)  # queries with a failing response were skipped
 
     monkeypatch.setattr(make_labels, "MAX_BATCHES_WITHOUT_LABEL", 3)
-    never = dataclasses.replace(task, truncate_after=task.response_length - 1)  # 4 responses ending in k: about 4e-6
+    never = dataclasses.replace(task, truncate_after=task.response_length - 1)  # 4 responses ending in k: hardly ever
     with pytest.raises(
         UserError, match=r"3 batches in a row had no query whose 4 responses all contain --task.truncate-token"
     ):
@@ -305,5 +304,25 @@ def test_make_labels_labels_only_queries_whose_responses_all_pass_the_truncation
             labeler,
             12,
             4,
-            progress=lambda line: None,
         )
+
+
+def test_make_labels_shows_its_progress_in_a_terminal(monkeypatch):
+    """A label's batch of samples can take minutes on a CPU: in a terminal a bar counts the labels made and the
+    tokens of the batch being sampled."""
+    import io
+
+    from lm_human_preference_details import make_labels
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    task = get_preset("tiny").task
+    tokenizer = load_tokenizer("tiny")
+    sampler = QuerySampler(task, tokenizer, batch_size=4, seed=0)
+    make_labels.make_labels(load_causal_lm("tiny"), tokenizer, sampler, task, lambda q, r: [0.0] * len(r), 6, 2)
+    drawn = sys.stderr.getvalue()
+    assert "labels: 100%" in drawn and "6/6" in drawn
+    assert f"sampling token {task.response_length}/{task.response_length}" in drawn

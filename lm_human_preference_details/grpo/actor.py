@@ -31,7 +31,7 @@ import aiohttp
 
 from lm_human_preference_details import cli
 from lm_human_preference_details.grpo.client import check_serving
-from lm_human_preference_details.grpo.config import GRPOArgs, get_preset
+from lm_human_preference_details.grpo.config import PRESETS, GRPOArgs, get_preset
 from lm_human_preference_details.grpo.lifetime import exit_with_parent
 from lm_human_preference_details.grpo.rewards import Problem, integer_reward, load_task_problems, math_rewards
 from lm_human_preference_details.grpo.streams import open_writer
@@ -319,9 +319,8 @@ def run(args: GRPOArgs, wait_for_servers: Callable[[], list[str]], first_group: 
 @cli.main_with_user_errors
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s actor %(message)s")
-    args = cli.parse(
-        GRPOArgs, get_preset, "tiny", description=__doc__.split("\n\n")[0]
-    )  # the launcher's flags, this role's purpose
+    # the launcher's flags, this role's purpose
+    args = cli.parse(GRPOArgs, get_preset, "tiny", description=__doc__.split("\n\n")[0], presets=PRESETS)
     args.check()
     if args.resume:
         raise cli.UserError(

@@ -28,7 +28,7 @@ from multiprocessing.connection import Connection
 from lm_human_preference_details import cli
 from lm_human_preference_details.grpo import streams
 from lm_human_preference_details.grpo.client import ServerError, ServerProcess, check_serving, request_json
-from lm_human_preference_details.grpo.config import GRPOArgs, get_preset
+from lm_human_preference_details.grpo.config import PRESETS, GRPOArgs, get_preset
 from lm_human_preference_details.grpo.lifetime import exit_now, exit_with_parent
 
 log = logging.getLogger(__name__)
@@ -237,7 +237,7 @@ def launch(args: GRPOArgs) -> None:
 @cli.main_with_user_errors
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s launch %(message)s")
-    args = cli.parse(GRPOArgs, get_preset, "tiny")
+    args = cli.parse(GRPOArgs, get_preset, "tiny", presets=PRESETS)
     try:
         launch(args)
     except streams.StreamConnectionError as error:  # the stream's server is not there: the user starts it

@@ -35,7 +35,7 @@ from transformers.cache_utils import DynamicLayer
 
 from lm_human_preference_details import checkpoint, cli
 from lm_human_preference_details.grpo.client import check_serving
-from lm_human_preference_details.grpo.config import GRPOArgs, get_preset
+from lm_human_preference_details.grpo.config import PRESETS, GRPOArgs, get_preset
 from lm_human_preference_details.grpo.lifetime import exit_now
 from lm_human_preference_details.grpo.loss import effective_sample_size, group_advantages, policy_loss
 from lm_human_preference_details.grpo.streams import open_reader
@@ -487,9 +487,8 @@ def train_then_exit(args: GRPOArgs, wait_for_servers: Callable[[], list[str]]) -
 @cli.main_with_user_errors
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(message)s")
-    args = cli.parse(
-        GRPOArgs, get_preset, "tiny", description=__doc__.split("\n\n")[0]
-    )  # the launcher's flags, this role's purpose
+    # the launcher's flags, this role's purpose
+    args = cli.parse(GRPOArgs, get_preset, "tiny", description=__doc__.split("\n\n")[0], presets=PRESETS)
     args.check()
     args.check_weight_backend()
     if args.resume:

@@ -5,9 +5,10 @@
 #     bash tests/run.sh -m "not slow"     # arguments go to pytest: here, the quick loop without end-to-end runs
 #
 # It installs into the Python that runs it (`python3`, or $PYTHON): torch (if it has none), this project with
-# the extras the suite uses, pinned by .ci/constraints.txt, SmolLM2's GGUF, and TRL in two environments of its
-# own for the speed comparisons; redis-server through apt-get when it is not on PATH (the stream tests start
-# their own on a free port). A test skipped for anything this script should have set up is a failure here.
+# the extras the suite uses, pinned by .ci/constraints.txt, SmolLM2's GGUF, TRL in two environments of its own
+# for the speed comparisons and vLLM in one (grpo/vllm_env.py); redis-server through apt-get when it is not on
+# PATH (the stream tests start their own on a free port). A test skipped for anything this script should have
+# set up is a failure here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
@@ -38,6 +39,9 @@ trl_environment() { # folder version -> the folder's python, TRL installed
 LMHPD_TRL_PYTHON=$(trl_environment .venv-trl 1.12.0)
 LMHPD_TRL116_PYTHON=$(trl_environment .venv-trl116 1.16.0)
 export LMHPD_TRL_PYTHON LMHPD_TRL116_PYTHON
+
+# vLLM in an environment of its own (it pins an older transformers than this project's): the vLLM server's tests
+"$python" -m lm_human_preference_details.grpo.vllm_env
 
 if ! command -v redis-server >/dev/null; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then

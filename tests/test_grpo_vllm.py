@@ -15,11 +15,10 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.request
 
 import pytest
 import torch
-from conftest import CHAT_TEMPLATE
+from conftest import CHAT_TEMPLATE, post_raw, save_gpt2_head32
 
 from lm_human_preference_details.grpo import vllm_env
 from lm_human_preference_details.grpo.client import ServerError, request_json
@@ -37,39 +36,21 @@ pytestmark = pytest.mark.skipif(
     "(make it with `python -m lm_human_preference_details.grpo.vllm_env`)",
 )
 
-POSITIONS = 512
+POSITIONS = 512  # the test model's (conftest.save_gpt2_head32): room for LONG tokens after a prompt
 LONG = 400  # tokens of the requests in flight during an update
 BLOCK = 128  # vLLM's CPU KV-cache block: a prompt longer than it has a full block that the prefix cache keeps
 
 
 def save_test_model(path: str) -> str:
-    """The `tiny-math` tokenizer (and a chat template) on a 2-layer GPT-2 whose attention heads vLLM's CPU backend
-    takes (32 wide: tiny-math's are 16, which it does not), randomly initialised wide enough that its next-token
-    distributions are far from flat (greedy tokens are then well defined). GPT-2 ties its output layer to the
-    token embedding, as SmolLM2 does: the case vLLM's layer-wise reload gets wrong without the fix."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+    """conftest's GPT-2 whose heads vLLM's CPU backend takes, with a chat template. Its output layer is tied to the
+    token embedding, as SmolLM2's: the case vLLM's layer-wise reload gets wrong without the fix."""
+    from transformers import AutoConfig, AutoTokenizer
 
-    from lm_human_preference_details.assets import TINY_MATH_CHARS, tiny_tokenizer
-
-    tokenizer = tiny_tokenizer(TINY_MATH_CHARS)
+    save_gpt2_head32(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.chat_template = CHAT_TEMPLATE
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        model = GPT2LMHeadModel(
-            GPT2Config(
-                vocab_size=len(tokenizer),
-                n_positions=POSITIONS,
-                n_embd=64,
-                n_layer=2,
-                n_head=2,
-                initializer_range=0.2,
-                bos_token_id=tokenizer.eos_token_id,
-                eos_token_id=tokenizer.eos_token_id,
-            )
-        )
-    assert model.config.tie_word_embeddings and model.lm_head.weight is model.transformer.wte.weight
-    model.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    assert AutoConfig.from_pretrained(path).n_positions == POSITIONS
     return path
 
 
@@ -136,15 +117,6 @@ def server(vllm_server):
 def trainer_side(server, model_dir):
     """The trainer's model (the server's weights) and the trainer's real weight sender, joined to the server."""
     return load_causal_lm(model_dir), WeightSender([server])
-
-
-def post_raw(url: str, body: bytes) -> tuple[int, dict]:
-    request = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
 
 
 def next_token_logprobs(model, prompt_ids: list[int], temperature: float = 1.0) -> torch.Tensor:

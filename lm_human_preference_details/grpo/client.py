@@ -26,10 +26,22 @@ def check_serving(urls: list[str], version: int, model: str, starts: str = "star
         except ServerError as error:
             raise UserError(f"--servers: {url} is not serving ({error})") from None
         if served != version:
+            module = server_module(url)
             raise UserError(
                 f"--servers: {url} serves weights version {served}, and this run {starts} at {version}: restart it "
-                f"with `python -m lm_human_preference_details.grpo.server --model {model} --version {version}`"
+                f"with `python -m {module} --model {model} --version {version}`"
+                + (" (in the vLLM environment)" if module.endswith("vllm_server") else "")
             )
+
+
+def server_module(url: str) -> str:
+    """The module that serves at `url`: the vLLM server (its /metrics says `engine: vllm`; run it in the vLLM
+    environment) or this package's own."""
+    try:
+        engine = request_json("GET", f"{url}/metrics", timeout_s=10).get("engine", "home")
+    except ServerError:
+        engine = "home"
+    return "lm_human_preference_details.grpo." + ("vllm_server" if engine == "vllm" else "server")
 
 
 class ServerError(RuntimeError):

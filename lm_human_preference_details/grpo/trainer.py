@@ -435,6 +435,7 @@ MAY_CHANGE_ON_RESUME = {
     "steps",
     "servers",
     "num_servers",
+    "engine",  # which servers sample is not what is trained: both serve the checkpoint's weights
     "threads",
     "request_timeout_s",
     "max_in_flight",

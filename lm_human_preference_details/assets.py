@@ -85,26 +85,23 @@ def tiny_tokenizer(chars: str = TINY_CHARS):
     )
 
 
-def _tiny_gpt2(tokenizer):
+def tiny_gpt2(tokenizer, **config):
+    """The tiny presets' 2-layer, 64-wide GPT-2 over `tokenizer`, freshly initialised; `config` overrides its
+    GPT2Config fields."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(
-        vocab_size=len(tokenizer),
-        n_positions=256,
-        n_embd=64,
-        n_layer=2,
-        n_head=4,
-        bos_token_id=tokenizer.eos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
+    defaults = dict(n_positions=256, n_embd=64, n_layer=2, n_head=4)
+    eos = tokenizer.eos_token_id
+    return GPT2LMHeadModel(
+        GPT2Config(vocab_size=len(tokenizer), bos_token_id=eos, eos_token_id=eos, **(defaults | config))
     )
-    return GPT2LMHeadModel(config)
 
 
 def build_tiny(path: str) -> None:
     tokenizer = tiny_tokenizer()
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        model = _tiny_gpt2(tokenizer)
+        model = tiny_gpt2(tokenizer)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
 
@@ -127,7 +124,7 @@ def build_tiny_math(path: str, steps: int = 400, batch_size: int = 64, correct_f
 
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        model = _tiny_gpt2(tokenizer)
+        model = tiny_gpt2(tokenizer)
         optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
         for _ in range(steps):
             rows = [tokenizer(example())["input_ids"] + [tokenizer.eos_token_id] for _ in range(batch_size)]

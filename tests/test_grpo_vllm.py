@@ -22,13 +22,9 @@ from conftest import CHAT_TEMPLATE, post_raw, save_gpt2_head32
 
 from lm_human_preference_details.grpo import vllm_env
 from lm_human_preference_details.grpo.client import ServerError, request_json
+from lm_human_preference_details.grpo.protocol import MIN_TEMPERATURE
 from lm_human_preference_details.grpo.weights import WeightSender, buckets, digest, parameter_specs
 from lm_human_preference_details.models import load_causal_lm
-
-try:
-    from lm_human_preference_details.grpo.protocol import MIN_TEMPERATURE
-except ImportError:  # before grpo/protocol.py
-    from lm_human_preference_details.grpo.client import MIN_TEMPERATURE
 
 pytestmark = pytest.mark.skipif(
     vllm_env.python_executable() is None,

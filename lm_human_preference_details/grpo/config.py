@@ -158,8 +158,7 @@ class GRPOArgs(RunArgs):
 
     def server_engine(self) -> Literal["home", "vllm"]:
         """`engine` with `auto` resolved: vLLM where its environment holds the GPU build and a GPU is visible, else
-        home. A
-        UserError for `vllm` without its environment, naming the command that makes it."""
+        home. A UserError for `vllm` without its environment, naming the command that makes it."""
         from lm_human_preference_details.grpo import vllm_env  # the standard library only
 
         if self.engine == "home":

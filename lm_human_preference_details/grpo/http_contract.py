@@ -14,6 +14,7 @@ import abc
 import asyncio
 import contextlib
 import json
+import logging
 import math
 import os
 import socket
@@ -72,6 +73,7 @@ class ContractServer(abc.ABC):
         self.requests = 0
         self.started = time.time()
         self.version_changed = asyncio.Condition()  # bound to the serving loop at its first use
+        self._loop: asyncio.AbstractEventLoop | None = None  # the serving loop, once the app starts
 
     # -- the engine's part ----------------------------------------------------------------------------------------
 
@@ -113,10 +115,22 @@ class ContractServer(abc.ABC):
         async with self.version_changed:
             self.version_changed.notify_all()
 
+    def mark_stale(self, reason: str) -> None:
+        """The weights can no longer be updated: /health and completions say `reason` with 503 from now on, and
+        the /health long-polls answer at once. Safe from any thread (the home server's receiver is one)."""
+        self.stale = reason
+        logging.getLogger("grpo.server").error(reason)
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self.announce_version()))
+
     # -- the routes -------------------------------------------------------------------------------------------------
+
+    async def _remember_loop(self, app: web.Application) -> None:
+        self._loop = asyncio.get_running_loop()
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[_errors_as_json], client_max_size=64 * 2**20)
+        app.on_startup.append(self._remember_loop)
         app.add_routes(
             [
                 web.post("/v1/completions", self._completions),

@@ -106,10 +106,9 @@ class InferenceServer(ContractServer):
                 tensors = receive_tensors(self.weight_group, specs, device, bucket_bytes)
             except Exception as error:  # the group is broken: no later update can arrive either
                 first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-                self.stale = (
+                self.mark_stale(
                     f"receiving weights version {version} failed ({first_line}); this server's weights are out of date"
                 )
-                log.error(self.stale)
                 return
 
             def apply_weights() -> int:

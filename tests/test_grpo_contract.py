@@ -16,14 +16,15 @@ import concurrent.futures
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
-import threading
 import time
 
+import openai
 import pytest
 import torch
-from conftest import post_raw, save_tiny_math_with_chat_template
+from conftest import free_port, post_raw, save_tiny_math_with_chat_template
 
 from lm_human_preference_details.grpo import vllm_env
 from lm_human_preference_details.grpo.client import ServerError, ServerProcess, request_json
@@ -45,6 +46,7 @@ class EngineServer:
     def start(self, model: str, version: int = 0) -> str:
         self.stop()
         self.started += 1
+        self.model = model  # the name it serves under
         self.log_path = self.folder / f"server-{self.started}.log"
         flags = ["--model", model, "--threads", "1", "--max-batch-size", "16", "--version", str(version)]
         with open(self.log_path, "wb") as log:  # the child keeps its own handle
@@ -127,6 +129,101 @@ def sampled(server: str, prompt: list[int], max_tokens: int = 24) -> dict:
 
 def prompt_ids(server: str, text: str) -> list[int]:
     return request_json("POST", f"{server}/v1/completions", {"prompt": text, "max_tokens": 1})["prompt_token_ids"]
+
+
+def sdk(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def check_the_sdk(url: str, model: str) -> None:
+    """models.list, n, logprobs with top_logprobs, stop, stream with usage, chat (streamed too), through the SDK."""
+    client = sdk(url)
+    assert [m.id for m in client.models.list()] == [model]
+
+    greedy = {"temperature": MIN_TEMPERATURE, "extra_body": {"ignore_eos": True}}  # deterministic: a stop to aim at
+    whole = client.completions.create(model=model, prompt="1+2=", max_tokens=30, **greedy).choices[0]
+    text, token_ids = whole.text, whole.model_extra["token_ids"]
+    assert len(token_ids) == 30 and whole.finish_reason == "length"
+    stop = text[4:6]
+    cut = client.completions.create(model=model, prompt="1+2=", max_tokens=30, stop=[stop, "\u2603"], **greedy)
+    choice = cut.choices[0]
+    assert choice.text == text[: text.find(stop)] and choice.finish_reason == "stop"
+    sampled = choice.model_extra["token_ids"]  # every token sampled, the one that completed the stop string too
+    assert sampled == token_ids[: len(sampled)] and len(sampled) < 30
+    assert len(choice.logprobs.token_logprobs) == len(sampled) == len(choice.model_extra["model_versions"])
+
+    several = client.completions.create(model=model, prompt="3+4=", max_tokens=5, n=3, logprobs=2)
+    assert len(several.choices) == 3
+    for c in several.choices:
+        assert len(c.logprobs.top_logprobs) == len(c.logprobs.tokens) == len(c.logprobs.token_logprobs)
+        for top, token, logprob in zip(c.logprobs.top_logprobs, c.logprobs.tokens, c.logprobs.token_logprobs):
+            assert len(top) == 2 and max(top.values()) >= logprob - 1e-4 and all(v <= 0 for v in top.values())
+            assert token in top or logprob <= min(top.values()) + 1e-4
+
+    chunks = list(
+        client.completions.create(
+            model=model, prompt="5+6=", max_tokens=4, n=2, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    texts = [c for c in chunks if c.choices]
+    assert sorted(c.choices[0].index for c in texts) == [0, 1]
+    assert all(c.choices[0].finish_reason in ("stop", "length") and c.choices[0].text is not None for c in texts)
+    assert chunks[-1].usage.completion_tokens == sum(len(c.choices[0].model_extra["token_ids"]) for c in texts)
+
+    messages = [{"role": "user", "content": "2+2"}]
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=4, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert chat.choices[0].message.role == "assistant" and len(content) == len(chat.choices[0].model_extra["token_ids"])
+    assert all(len(entry.top_logprobs) == 3 for entry in content)
+    streamed = list(client.chat.completions.create(model=model, messages=messages, max_tokens=4, stream=True))
+    assert streamed and all(c.object == "chat.completion.chunk" for c in streamed)
+    assert isinstance(streamed[0].choices[0].delta.content, str) and streamed[0].choices[0].finish_reason
+
+
+def check_a_rendezvous_that_never_comes_is_a_clear_error(url: str) -> dict:
+    """A 504 naming the address within the request's timeout; an address outside the allowed ones, a 400.
+    Returns the request's body."""
+    nowhere = f"tcp://127.0.0.1:{free_port()}"
+    body = {"init_method": nowhere, "rank": 1, "world_size": 2, "timeout_s": 2}
+    start = time.monotonic()
+    with pytest.raises(ServerError) as failed:
+        request_json("POST", f"{url}/init_process_group", body, timeout_s=120)
+    assert failed.value.status == 504 and "no weight group formed" in str(failed.value) and nowhere in str(failed.value)
+    assert time.monotonic() - start < 60
+    with pytest.raises(ServerError, match="outside the addresses") as outside:
+        request_json("POST", f"{url}/init_process_group", {**body, "init_method": "tcp://10.1.2.3:5"})
+    assert outside.value.status == 400
+    assert request_json("GET", f"{url}/health")["status"] == "ok"
+    return body
+
+
+def check_a_client_that_hangs_up_has_its_sequences_dropped(url: str, prompts: int, max_tokens: int) -> None:
+    """A request of many long sequences, its client gone after a second: the server stops decoding them."""
+    metrics = request_json("GET", f"{url}/metrics")
+    body = {"prompt": ["1+2="] * prompts, "n": 512 // prompts, "max_tokens": max_tokens, "ignore_eos": True}
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    payload = json.dumps(body).encode()
+    with socket.create_connection((host, int(port))) as connection:
+        connection.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+            + payload
+        )
+        for _ in range(600):  # until it decodes
+            if request_json("GET", f"{url}/health")["active"]:
+                break
+            time.sleep(0.05)
+        time.sleep(1)
+    for _ in range(300):
+        health = request_json("GET", f"{url}/health")
+        if health["active"] == health["queued"] == 0:
+            break
+        time.sleep(0.1)
+    assert health["active"] == health["queued"] == 0, health
+    generated = request_json("GET", f"{url}/metrics")["generated_tokens"] - metrics["generated_tokens"]
+    assert generated < 512 * max_tokens / 4, generated  # most of the request was never decoded
+    time.sleep(1)
+    assert request_json("GET", f"{url}/metrics")["generated_tokens"] - metrics["generated_tokens"] <= generated + 16
 
 
 def test_completions_return_token_ids_logprobs_and_versions(server, model_dir):
@@ -218,7 +315,7 @@ def test_chat_completions_apply_the_chat_template(server):
 )
 def test_malformed_requests_get_a_4xx_with_the_reason_and_the_server_stays_up(server, path, body, status, reason):
     got_status, reply = post_raw(server + path, body)
-    assert got_status == status and reason in reply["error"]
+    assert got_status == status and reason in reply["error"]["message"]
     assert request_json("GET", f"{server}/health")["status"] == "ok"
 
 
@@ -346,13 +443,13 @@ def test_a_mismatched_update_is_refused_and_the_old_weights_keep_serving(server,
         status, reply = post_raw(
             f"{server}/request_weight_update", json.dumps({"version": version, "parameters": parameters}).encode()
         )
-        assert status == 400 and "refused" in reply["error"] and reason in reply["error"]
+        assert status == 400 and "refused" in reply["error"]["message"] and reason in reply["error"]["message"]
     for body, field in [
         ({"version": before["model_version"], "parameters": specs}, "'version'"),  # not newer than what serves
         ({"version": version, "parameters": specs, "bucket_bytes": -1}, "'bucket_bytes'"),
     ]:
         status, reply = post_raw(f"{server}/request_weight_update", json.dumps(body).encode())
-        assert status == 400 and field in reply["error"]
+        assert status == 400 and field in reply["error"]["message"]
     assert request_json("GET", f"{server}/weights_digest") == before
     prompt = prompt_ids(server, "1+1=")
     choice = sampled(server, prompt, 6)
@@ -391,7 +488,7 @@ def test_after_updates_greedy_tokens_equal_a_fresh_server_loaded_with_the_new_we
     updated = [greedy(server, p) for p in prompts]
     model.save_pretrained(tmp_path / "new-weights")
     for name in os.listdir(model_dir):
-        if name.startswith("tokenizer"):
+        if name.startswith(("tokenizer", "chat_template")):  # the chat template too: later tests chat
             shutil.copy(os.path.join(model_dir, name), tmp_path / "new-weights" / name)
     fresh_url = engine_server.start(str(tmp_path / "new-weights"), version=version)
     fresh = [greedy(fresh_url, p) for p in prompts]
@@ -409,52 +506,61 @@ def test_after_updates_greedy_tokens_equal_a_fresh_server_loaded_with_the_new_we
     assert request_json("GET", f"{fresh_url}/weights_digest")["digests"] == digest(model)
 
 
-TRAINER_THAT_DIES = """
-import json, os, sys, threading
+def test_the_openai_sdk_streams_stops_lists_models_and_gives_top_logprobs(engine_server):
+    """After the fresh server's test, as those below (they take the module's server as it is now)."""
+    check_the_sdk(engine_server.url, engine_server.model)
+
+
+def test_a_rendezvous_that_never_comes_is_a_clear_error(engine_server):
+    check_a_rendezvous_that_never_comes_is_a_clear_error(engine_server.url)
+
+
+SENDER_THAT_FAILS = """
+import json, os, sys, threading, time
 from lm_human_preference_details.grpo.client import request_json
 from lm_human_preference_details.grpo.weights import WeightGroup, listening_store
-url, version, specs = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+url, version, specs, how = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4]
 store = listening_store("127.0.0.1", 2)
 init_method = f"tcp://127.0.0.1:{store.port}"
 joined = threading.Thread(target=request_json, args=("POST", url + "/init_process_group",
-    {"init_method": init_method, "rank": 1, "world_size": 2, "backend": "gloo"}))
+    {"init_method": init_method, "rank": 1, "world_size": 2, "backend": "gloo", "timeout_s": 5}))
 joined.start()
 group = WeightGroup(init_method, 0, 2, store=store)
 joined.join()
 request_json("POST", url + "/request_weight_update", {"version": version, "parameters": specs})
-os._exit(0)  # dies here, before broadcasting anything (and before a gloo teardown that can abort)
+if how == "stalls":  # alive, never broadcasting: the server gives up after the group's timeout
+    time.sleep(15)
+os._exit(0)  # dies before broadcasting anything (and before a gloo teardown that can abort)
 """
 
 
-def test_a_server_whose_weight_transfer_breaks_says_so_instead_of_serving_stale_weights(engine_server, trainer_side):
-    """Last but one: it leaves the module's server unable to take updates. An actor's long-poll for the version
-    that never comes is answered once the weights are stale, not at its end."""
-    model, _ = trainer_side
+def test_a_failed_weight_update_rolls_back_to_the_serving_weights(engine_server, model_dir):
+    """A sender that dies, then one that stalls, after their update was accepted: the old weights keep serving,
+    /health says why, and a new group's update then lands. After the fresh server's test (it sends the model folder's
+    weights, not the trainer's)."""
     url = engine_server.url
-    version = request_json("GET", f"{url}/health")["model_version"]
-    long_poll: list = []
-
-    def wait_for_the_next_version() -> None:
-        try:
-            request_json("GET", f"{url}/health?wait_for_version={version + 1}&timeout_s=300", timeout_s=310)
-        except ServerError as error:
-            long_poll.append(error.status)
-
-    waiting = threading.Thread(target=wait_for_the_next_version)
-    waiting.start()
+    model = load_causal_lm(model_dir)
     specs = json.dumps([s.to_json() for s in parameter_specs(model)])
-    subprocess.run([sys.executable, "-c", TRAINER_THAT_DIES, url, str(version + 1), specs], check=True, timeout=120)
-    for _ in range(600):
+    version = request_json("GET", f"{url}/health")["model_version"]
+    for how in ("dies", "stalls"):
+        subprocess.run([sys.executable, "-c", SENDER_THAT_FAILS, url, str(version + 1), specs, how], check=True)
+        for _ in range(600):
+            health = request_json("GET", f"{url}/health")
+            if health["update_error"]:
+                break
+            time.sleep(0.1)
+        assert health["model_version"] == version and f"version {version + 1} were not loaded" in health["update_error"]
         status, reply = post_raw(f"{url}/v1/completions", b'{"prompt": "1+1=", "max_tokens": 2}')
-        if status == 503:
-            break
-        time.sleep(0.1)
-    assert status == 503 and "out of date" in reply["error"]
-    with pytest.raises(ServerError) as refused:
-        request_json("GET", f"{url}/health")
-    assert refused.value.status == 503
-    waiting.join(timeout=10)
-    assert not waiting.is_alive() and long_poll == [503]
+        assert status == 200 and set(reply["choices"][0]["model_versions"]) == {version}
+    sender = WeightSender([url])
+    sender.push(model, version + 1)
+    assert sender.wait() == []
+    health = request_json("GET", f"{url}/health?wait_for_version={version + 1}&timeout_s=60")
+    assert health["model_version"] == version + 1 and health["update_error"] is None
+
+
+def test_a_client_that_hangs_up_has_its_sequences_dropped(engine_server):
+    check_a_client_that_hangs_up_has_its_sequences_dropped(engine_server.url, prompts=64, max_tokens=240)
 
 
 def descendants(pid: int) -> list[int]:

@@ -14,6 +14,8 @@ import urllib.request
 import weakref
 from collections.abc import Callable
 
+from lm_human_preference_details.grpo.protocol import TOKEN_ENV
+
 
 def check_serving(urls: list[str], version: int, model: str, starts: str = "starts") -> None:
     """UserError unless every server answers and serves weights `version`, the version the run `starts` at (a server
@@ -53,9 +55,13 @@ class ServerError(RuntimeError):
 
 
 def request_json(method: str, url: str, payload: dict | None = None, timeout_s: float = 60) -> dict:
-    """A blocking JSON request to a server (the trainer's and the launcher's side of the contract)."""
+    """A blocking JSON request to a server (the trainer's and the launcher's side of the contract), with the control
+    token of $GRPO_SERVER_TOKEN when it is set (the control endpoints require it of a server started with one)."""
     data = None if payload is None else json.dumps(payload).encode()
-    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if os.environ.get(TOKEN_ENV):
+        headers["Authorization"] = f"Bearer {os.environ[TOKEN_ENV]}"
+    request = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             return json.loads(response.read())

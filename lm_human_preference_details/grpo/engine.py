@@ -24,7 +24,8 @@ import collections
 import math
 import threading
 import time
-from concurrent.futures import Future
+from collections.abc import Callable
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +41,10 @@ class GenerationRequest:
     temperature: float = 1.0
     stop_token_ids: frozenset[int] = frozenset()
     """the sequence ends after sampling one of these (the token is kept: the policy learns to stop)"""
+    stops_at: Callable[[list[int]], bool] | None = None
+    """called with the sequence's token ids after each sampled token: True ends it (the server's stop strings)"""
+    top_logprobs: int = 0
+    """also record, per token, this many most likely (token id, logprob)"""
 
 
 @dataclass
@@ -50,7 +55,9 @@ class Generation:
     versions: list[int]
     """weight version that sampled each token"""
     finish_reason: str
-    """`stop` (a stop token was sampled) or `length` (max_new_tokens reached)"""
+    """`stop` (a stop token was sampled, or `stops_at` said so) or `length` (max_new_tokens reached)"""
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    """per token, the request's `top_logprobs` most likely (token id, logprob); empty unless it asked"""
 
 
 @dataclass
@@ -60,6 +67,7 @@ class _Sequence:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 class Engine:
@@ -81,6 +89,7 @@ class Engine:
         self._wake = threading.Condition()
         self._stopped = False
         self._active: list[_Sequence] = []
+        self._dropped: set[Future] = set()  # running sequences whose client went away: out at the next step
         self._batch = DecodingBatch(max_batch_size, self.device)
         self.stats = collections.Counter()
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
@@ -119,6 +128,13 @@ class Engine:
             self._queue.extend(_Sequence(request, future) for request, future in zip(requests, futures))
             self._wake.notify()
         return futures
+
+    def drop(self, futures: list[Future]) -> None:
+        """Stop generating these submitted requests (their client went away): a queued one is cancelled, a running
+        one leaves the batch before the next step and its future fails with CancelledError."""
+        running = [future for future in futures if not future.cancel() and not future.done()]
+        with self._wake:
+            self._dropped.update(running)
 
     def check(self, request: GenerationRequest) -> None:
         """ValueError, saying why, when the request cannot be generated (empty prompt, too long, unknown ids,
@@ -171,6 +187,7 @@ class Engine:
                         break
                     updates = list(self._updates)
                     self._updates.clear()
+                    dropped, self._dropped = self._dropped, set()
                     free = self.max_batch_size - len(self._active)
                     admitted = []
                     while self._queue and len(admitted) < free:
@@ -179,6 +196,8 @@ class Engine:
                             admitted.append(sequence)
                 for function, future, is_update in updates:
                     self._run_between_steps(function, future, is_update)
+                if dropped:
+                    self._remove([row for row, s in enumerate(self._active) if s.future in dropped], dropped=True)
                 try:
                     if admitted:
                         self._prefill(admitted)
@@ -263,16 +282,22 @@ class Engine:
         tokens = sample_tokens(logprobs, self.generator)
         token_logprobs = logprobs.gather(1, tokens[:, None])[:, 0]
         batch.last_tokens[first_row : batch.rows] = tokens
+        wanted = max(s.request.top_logprobs for s in sequences)
+        top = logprobs.topk(wanted, dim=-1) if wanted else None  # one call for the rows that ask
         finished, version = [], self.version
-        # per row only what the Generation needs; a running sequence cannot be cancelled (its
-        # future is running), so its client's going away is not checked here
+        # per row only what the Generation needs; a client's going away is `drop`'s, between two steps
         for row, (sequence, token, logprob) in enumerate(
             zip(sequences, tokens.tolist(), token_logprobs.tolist()), first_row
         ):
             sequence.token_ids.append(token)
             sequence.logprobs.append(logprob)
             sequence.versions.append(version)
+            if sequence.request.top_logprobs:
+                k, i = sequence.request.top_logprobs, row - first_row
+                sequence.top_logprobs.append(list(zip(top.indices[i, :k].tolist(), top.values[i, :k].tolist())))
             if token in sequence.request.stop_token_ids:
+                finished.append((row, "stop"))
+            elif sequence.request.stops_at is not None and sequence.request.stops_at(sequence.token_ids):
                 finished.append((row, "stop"))
             elif len(sequence.token_ids) >= sequence.request.max_new_tokens:
                 finished.append((row, "length"))
@@ -282,13 +307,22 @@ class Engine:
 
     def _finish(self, finished: list[tuple[int, str]]) -> None:
         """Hand back the sequences of these (row, reason) and free their rows."""
-        sequences = [(self._active[row], reason) for row, reason in finished]
-        for source, target in self._batch.remove([row for row, _ in finished]):
+        for sequence, reason in zip(self._remove([row for row, _ in finished]), (reason for _, reason in finished)):
+            self.stats["completed"] += 1
+            sequence.future.set_result(
+                Generation(sequence.token_ids, sequence.logprobs, sequence.versions, reason, sequence.top_logprobs)
+            )
+
+    def _remove(self, rows: list[int], dropped: bool = False) -> list[_Sequence]:
+        """Free these rows; returns their sequences. `dropped`: their futures fail with CancelledError."""
+        sequences = [self._active[row] for row in rows]
+        for source, target in self._batch.remove(rows):
             self._active[target] = self._active[source]
         del self._active[self._batch.rows :]
-        for sequence, reason in sequences:
-            self.stats["completed"] += 1
-            sequence.future.set_result(Generation(sequence.token_ids, sequence.logprobs, sequence.versions, reason))
+        if dropped:
+            for sequence in sequences:
+                sequence.future.set_exception(CancelledError())
+        return sequences
 
     def _reset_batch(self) -> None:
         self._active = []

@@ -14,6 +14,11 @@ MIN_TEMPERATURE = 1e-4
 """the lowest sampling temperature a server takes: logits / temperature must stay finite in float32 (1e-50 is
 0 there, and every sequence of the batch would get NaN probabilities)"""
 
+TOKEN_ENV = "GRPO_SERVER_TOKEN"
+"""the environment variable that holds the control token /init_process_group and /request_weight_update require
+of a server that has one (the launcher sets it for the servers and the trainer it starts; `grpo.client` sends it):
+not a flag, which every user of the machine could read in `ps`"""
+
 WIRE_DTYPES = ("float32", "bfloat16", "float16")
 """the dtype names a weight update's parameters and /health's `dtype` are given in (torch's names)"""
 

@@ -5,18 +5,21 @@
 
 Endpoints (docs/DESIGN.md, "The GRPO pipeline contract"; its constants and types: `grpo.protocol`):
 - `POST /v1/completions` {prompt: str | [token ids] | [str] | [[token ids]], max_tokens, temperature, n,
-  stop_token_ids, ignore_eos}. A list of prompts (OpenAI's batch form) gets `n` choices per prompt,
-  prompt-major (choice `index` = prompt index * n + attempt), and `prompt_token_ids` one list per prompt.
-- `POST /v1/chat/completions` {messages: [{role, content}], ...same sampling fields}
+  stop, stop_token_ids, ignore_eos, logprobs, stream, ...}. A list of prompts (OpenAI's batch form) gets `n`
+  choices per prompt, prompt-major (choice `index` = prompt index * n + attempt), and `prompt_token_ids` one
+  list per prompt.
+- `POST /v1/chat/completions` {messages: [{role, content}], ...same sampling fields, top_logprobs}
   Both return per choice the token ids, per-token logprobs (at the sampling temperature) and
-  `model_versions`, the weight version that sampled each token.
-- `POST /init_process_group` {init_method, rank, world_size, backend}: join the trainer's group.
+  `model_versions`, the weight version that sampled each token; the fields they take, and the 400 for any
+  other, are `grpo.http_contract`'s (the OpenAI SDK works against them). `GET /v1/models` lists the model.
+- `POST /init_process_group` {init_method, rank, world_size, backend, timeout_s}: join the trainer's group
+  (with the control token, `--token-file` or $GRPO_SERVER_TOKEN, when the server has one).
 - `POST /request_weight_update` {version, parameters: [{name, shape, dtype}], bucket_bytes}: checked
   against the model before anything is received (a mismatch is refused with 400 and the old weights
-  keep serving); on 200 a receiver thread takes the broadcast (one per tensor, or with bucket_bytes > 0
-  one per flat bucket of consecutive tensors, `weights.buckets`) into fresh buffers while
-  decoding goes on, then the engine swaps them all in between two decode steps: decoding pauses
-  only for the copy, and sequences in flight keep their KV cache.
+  keep serving, as when the broadcast does not all arrive); on 200 a receiver thread takes the broadcast
+  (one per tensor, or with bucket_bytes > 0 one per flat bucket of consecutive tensors, `weights.buckets`)
+  into fresh buffers while decoding goes on, then the engine swaps them all in between two decode steps:
+  decoding pauses only for the copy, and sequences in flight keep their KV cache.
 - `GET /health` (`?wait_for_version=N` long-polls until version N serves), `GET /metrics` (JSON counters:
   tokens, requests, updates, pause per update), `GET /weights_digest` (SHA-256 of each parameter: is this
   exactly the trainer's model?).
@@ -26,6 +29,8 @@ this module gives it the engine's part.
 """
 
 import asyncio
+import contextlib
+import dataclasses
 import logging
 import os
 import queue
@@ -40,7 +45,18 @@ from aiohttp import web
 
 from lm_human_preference_details.cli import quiet_transformers
 from lm_human_preference_details.grpo.engine import Engine, Generation, GenerationRequest
-from lm_human_preference_details.grpo.http_contract import BadRequest, ContractServer, Sampling, listen
+from lm_human_preference_details.grpo.http_contract import (
+    LOOPBACK_ACCESS,
+    RUNNER_OPTIONS,
+    BadRequest,
+    ContractServer,
+    ControlAccess,
+    RendezvousTimeout,
+    Sampling,
+    StopStrings,
+    first_line,
+    listen,
+)
 from lm_human_preference_details.grpo.lifetime import exit_now, exit_with_parent
 from lm_human_preference_details.grpo.protocol import ParameterSpec, ServerDtype
 
@@ -50,11 +66,18 @@ log = logging.getLogger(__name__)
 class InferenceServer(ContractServer):
     """The contract (`grpo.http_contract`) over the home-made engine, which owns the model."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer, engine: Engine, model_name: str):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        engine: Engine,
+        model_name: str,
+        access: ControlAccess = LOOPBACK_ACCESS,
+    ):
         from lm_human_preference_details.grpo.weights import DTYPE_NAMES, parameter_specs
 
         dtype = DTYPE_NAMES[next(model.parameters()).dtype]
-        super().__init__(tokenizer, model_name, dtype, parameter_specs(model), engine.version)
+        super().__init__(tokenizer, model_name, dtype, parameter_specs(model), engine.version, access)
         self.model, self.engine = model, engine
         self.weight_group = None
         # one receiver thread, so updates are received and swapped in the order announced (the
@@ -78,37 +101,52 @@ class InferenceServer(ContractServer):
             max_new_tokens=sampling.max_tokens,
             temperature=sampling.temperature,
             stop_token_ids=sampling.stop_token_ids,
+            stops_at=StopStrings(self.tokenizer, sampling.stop) if sampling.stop else None,
+            top_logprobs=sampling.top_logprobs,
         )
         self.engine.check(generation)
         return generation
 
     async def generate(self, prepared: list[GenerationRequest], sampling: Sampling) -> list[Generation]:
         futures = self.engine.submit_many([generation for generation in prepared for _ in range(sampling.n)])
-        return await _all_results(futures)
+        try:
+            return await _all_results(futures)
+        except asyncio.CancelledError:  # the client went away: its sequences stop, running ones too
+            self.engine.drop(futures)
+            raise
 
-    async def join_group(self, init_method: str, rank: int, world_size: int, backend: str) -> None:
+    async def join_group(self, init_method: str, rank: int, world_size: int, backend: str, timeout_s: float) -> None:
+        import torch.distributed as dist
+
         from lm_human_preference_details.grpo.weights import WeightGroup
 
-        loop = asyncio.get_running_loop()
-        try:  # blocks until the trainer joins: off the event loop
-            self.weight_group = await loop.run_in_executor(None, WeightGroup, init_method, rank, world_size, backend)
+        try:  # waits for the trainer's side: on a thread that a stopping server does not wait for
+            self.weight_group = await _in_daemon_thread(WeightGroup, init_method, rank, world_size, backend, timeout_s)
+        except (dist.DistNetworkError, dist.DistStoreError) as error:
+            raise RendezvousTimeout(
+                f"no weight group formed at {init_method} within {timeout_s:g} s ({first_line(error)}): is the "
+                f"trainer's side listening there? (/init_process_group's timeout_s sets the wait)"
+            ) from None
         except (ValueError, RuntimeError) as error:
-            raise BadRequest(f"cannot join the process group: {error}") from None
+            raise BadRequest(f"cannot join the process group: {first_line(error)}") from None
 
     def start_update(self, version: int, specs: list[ParameterSpec], bucket_bytes: int) -> None:
         from lm_human_preference_details.grpo.weights import load_tensors, receive_tensors
 
         loop = asyncio.get_running_loop()
         device = next(self.model.parameters()).device
+        group = self.weight_group
 
         def receive_then_swap() -> None:  # on a receiver thread: decoding goes on meanwhile
-            try:
-                tensors = receive_tensors(self.weight_group, specs, device, bucket_bytes)
-            except Exception as error:  # the group is broken: no later update can arrive either
-                first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-                self.mark_stale(
-                    f"receiving weights version {version} failed ({first_line}); this server's weights are out of date"
-                )
+            if self.weight_group is not group:
+                self.roll_back(version, "an earlier update broke its weight group")
+                return
+            try:  # into buffers of their own: the model is untouched until every tensor has arrived
+                tensors = receive_tensors(group, specs, device, bucket_bytes)
+            except Exception as error:  # the sender died or never sent (the group's timeout): no later update of
+                if self.weight_group is group:  # this group can arrive either
+                    self.weight_group = None
+                self.roll_back(version, f"receiving failed: {first_line(error)}")
                 return
 
             def apply_weights() -> int:
@@ -176,13 +214,30 @@ async def _all_results(futures: list) -> list:
 
     for future in futures:
         future.add_done_callback(count)
-    try:
-        await all_done
-    except asyncio.CancelledError:  # the client went away: queued samples are dropped before they start
-        for future in futures:
-            future.cancel()
-        raise
+    await all_done
     return [future.result() for future in futures]
+
+
+async def _in_daemon_thread(function, *args):
+    """`function(*args)` on a thread of its own that a stopping server does not wait for (asyncio joins its default
+    executor's threads at exit: a rendezvous that never comes would hold the exit up for its whole timeout)."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def settle(set_outcome, outcome) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits any more
+            loop.call_soon_threadsafe(lambda: done.done() or set_outcome(outcome))
+
+    def run() -> None:
+        try:
+            result = function(*args)
+        except Exception as error:
+            settle(done.set_exception, error)
+        else:
+            settle(done.set_result, result)
+
+    threading.Thread(target=run, name=f"{getattr(function, '__name__', 'call')}-thread", daemon=True).start()
+    return await done
 
 
 def _run_forever(calls: queue.Queue) -> None:
@@ -217,6 +272,12 @@ class Args:
     """weight version of the loaded model (a resumed run's checkpoint is at its step)"""
     exit_with_parent: bool = False
     """stop when the process that started this one dies (set by grpo.launch)"""
+    token_file: str = ""
+    """a file holding the control token that /init_process_group and /request_weight_update require (default:
+    $GRPO_SERVER_TOKEN; one of them is required with a --host beyond loopback)"""
+    rendezvous_allow: list[str] = dataclasses.field(default_factory=list)
+    """addresses or networks (10.0.0.0/8) that /init_process_group may name (default: loopback when --host is
+    loopback, else any)"""
 
 
 def load_for_inference(name_or_path: str, device: str, dtype: ServerDtype = "auto"):
@@ -241,6 +302,7 @@ def load_for_inference(name_or_path: str, device: str, dtype: ServerDtype = "aut
 
 def main() -> None:
     args = tyro.cli(Args)
+    access = ControlAccess.for_server(args.host, args.token_file, args.rendezvous_allow)
     if args.exit_with_parent:
         exit_with_parent()
     if args.threads:
@@ -251,10 +313,10 @@ def main() -> None:
     engine = Engine(model, args.max_batch_size, seed=args.seed, vocab_size=len(tokenizer))
     engine.version = args.version
     engine.start()
-    server = InferenceServer(model, tokenizer, engine, args.model)
+    server = InferenceServer(model, tokenizer, engine, args.model, access)
     listening, url = listen(args.host, args.port, args.port_file)
     log.info("serving %s on %s (pid %d)", args.model, url, os.getpid())
-    web.run_app(server.app(), sock=listening, print=None, access_log=None)  # until SIGTERM or SIGINT
+    web.run_app(server.app(), sock=listening, print=None, access_log=None, **RUNNER_OPTIONS)  # until SIGTERM/SIGINT
     exit_now(0)  # it may have joined the trainer's gloo groups
 
 

@@ -13,7 +13,9 @@ What is vLLM's and what is glue:
 - generation is `AsyncLLM.generate` with vLLM's `SamplingParams` (`logprobs=0` and `logprobs_mode=processed_logprobs`:
   the sampled token's logprob at the sampling temperature, as the contract's). Prompts are tokenized by
   `grpo.http_contract`, as for `grpo/server.py`, and given to vLLM as token ids; stop tokens are the request's
-  plus EOS (kept in the output, as the home server keeps them).
+  plus EOS (kept in the output, as the home server keeps them); stop strings are vLLM's `stop`, which cuts only its
+  own text (the contract decodes and cuts the reply's, as for grpo/server.py); a client that hangs up cancels its
+  handler, and so `AsyncLLM.generate`, which aborts the request.
 - the version of each token is vLLM's own: the engine core labels every step's outputs with its current weight
   version (`AsyncLLM.update_weight_version`, set only while generation is paused), and the final output of each
   sequence carries the spans `[start, end) -> version` (`CompletionOutput.weight_versions`). The label is put on in
@@ -54,7 +56,17 @@ from typing import get_args
 
 from aiohttp import web
 
-from lm_human_preference_details.grpo.http_contract import BadRequest, ContractServer, Sample, Sampling, listen
+from lm_human_preference_details.grpo.http_contract import (
+    RUNNER_OPTIONS,
+    BadRequest,
+    ContractServer,
+    ControlAccess,
+    RendezvousTimeout,
+    Sample,
+    Sampling,
+    first_line,
+    listen,
+)
 from lm_human_preference_details.grpo.protocol import ParameterSpec, ServerDtype
 
 log = logging.getLogger("vllm_server")
@@ -91,11 +103,17 @@ class WeightReceiver:
 
         threading.Thread(target=watch, name="grpo-watch-frontend", daemon=True).start()
 
-    def grpo_init_group(self, init_method: str, rank: int, world_size: int, backend: str) -> None:
-        """Join the trainer's weight group, as `grpo/server.py` does (blocks until the trainer's side joins)."""
+    def grpo_init_group(self, init_method: str, rank: int, world_size: int, backend: str, timeout_s: float) -> None:
+        """Join the trainer's weight group, as `grpo/server.py` does (blocks until the trainer's side joins, at most
+        `timeout_s`: a TimeoutError then)."""
+        import torch.distributed as dist
+
         from lm_human_preference_details.grpo.weights import WeightGroup
 
-        self._grpo_group = WeightGroup(init_method, rank, world_size, backend)
+        try:
+            self._grpo_group = WeightGroup(init_method, rank, world_size, backend, timeout_s)
+        except (dist.DistNetworkError, dist.DistStoreError) as error:  # vLLM's RPC passes on only the message
+            raise TimeoutError(f"{_RENDEZVOUS_TIMED_OUT}: {first_line(error)}") from None
         self._grpo_receive = None
         self._grpo_last: tuple[list[str], list] | None = None
 
@@ -116,7 +134,7 @@ class WeightReceiver:
                 state["tensors"] = receive_tensors(self._grpo_group, parsed, device, bucket_bytes)
                 state["status"] = "received"
             except Exception as error:  # the group is broken: no later update can arrive either
-                state["error"] = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+                state["error"] = first_line(error)
                 state["status"] = "failed"
 
         self._grpo_receive = state
@@ -206,10 +224,21 @@ class _Stats:
 class VLLMInferenceServer(ContractServer):
     """The contract (`grpo.http_contract`) over vLLM's AsyncLLM; the weights live in vLLM's worker."""
 
-    def __init__(self, engine, stats: _Stats, tokenizer, model_name: str, path: str, dtype: str, version: int):
+    def __init__(
+        self,
+        engine,
+        stats: _Stats,
+        tokenizer,
+        model_name: str,
+        path: str,
+        dtype: str,
+        version: int,
+        access: ControlAccess,
+    ):
         from lm_human_preference_details.grpo.weights import parameter_specs
 
-        super().__init__(tokenizer, model_name, dtype, parameter_specs(_meta_model(path), _torch_dtype(dtype)), version)
+        specs = parameter_specs(_meta_model(path), _torch_dtype(dtype))
+        super().__init__(tokenizer, model_name, dtype, specs, version, access)
         self.engine, self.stats, self.path = engine, stats, path
         self.version = version
         model_config = engine.model_config
@@ -239,21 +268,7 @@ class VLLMInferenceServer(ContractServer):
         return prompt_ids
 
     async def generate(self, prepared: list[list[int]], sampling: Sampling) -> list[Sample]:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        params = SamplingParams(
-            n=sampling.n,
-            temperature=sampling.temperature,
-            top_p=1.0,
-            top_k=0,
-            max_tokens=sampling.max_tokens,
-            logprobs=0,
-            stop_token_ids=sorted(sampling.stop_token_ids),
-            ignore_eos=True,  # EOS stops only as one of `stop` (grpo/server.py's semantics)
-            detokenize=False,  # the text is decoded by grpo.http_contract, as for grpo/server.py
-            output_kind=RequestOutputKind.FINAL_ONLY,
-        )
+        params = sampling_params(sampling)
         await self.not_updating.wait()  # sent during an update: the new version's cache salt
         salt = f"grpo-weights-v{self.version}"
         outputs = await asyncio.gather(*[self._one_prompt(ids, params, salt) for ids in prepared])
@@ -282,7 +297,13 @@ class VLLMInferenceServer(ContractServer):
             if completion.finish_reason not in ("stop", "length"):
                 raise web.HTTPServiceUnavailable(reason=f"the engine ended a sequence with {completion.finish_reason}")
             versions = _versions(completion.weight_versions, len(token_ids))
-            samples.append(Sample(token_ids, logprobs, versions, completion.finish_reason))
+            top = [  # vLLM adds the sampled token to its top ones: by rank, the asked-for number
+                sorted(((t, lp.logprob) for t, lp in step.items() if lp.rank <= params.logprobs), key=lambda e: -e[1])
+                for step in completion.logprobs
+            ]
+            samples.append(
+                Sample(token_ids, logprobs, versions, completion.finish_reason, top if params.logprobs else [])
+            )
         return samples
 
     # -- weights ----------------------------------------------------------------------------------------------------
@@ -290,31 +311,39 @@ class VLLMInferenceServer(ContractServer):
     async def _rpc(self, method: str, *args):
         return (await self.engine.collective_rpc(method, args=args))[0]
 
-    async def join_group(self, init_method: str, rank: int, world_size: int, backend: str) -> None:
-        if not init_method.startswith("tcp://"):
-            raise BadRequest(f"cannot join the process group: init_method {init_method!r}: expected tcp://HOST:PORT")
-        try:  # in vLLM's worker; blocks (the engine too) until the trainer's side joins
-            await self._rpc("grpo_init_group", init_method, rank, world_size, backend)
+    async def join_group(self, init_method: str, rank: int, world_size: int, backend: str, timeout_s: float) -> None:
+        try:  # in vLLM's worker; blocks (the engine too) until the trainer's side joins, at most timeout_s
+            await self._rpc("grpo_init_group", init_method, rank, world_size, backend, timeout_s)
         except Exception as error:
-            raise BadRequest(f"cannot join the process group: {str(error).strip().splitlines()[-1]}") from None
+            said = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+            if _RENDEZVOUS_TIMED_OUT in str(error):
+                raise RendezvousTimeout(
+                    f"no weight group formed at {init_method} within {timeout_s:g} s ({said}): is the trainer's "
+                    f"side listening there? (/init_process_group's timeout_s sets the wait)"
+                ) from None
+            raise BadRequest(f"cannot join the process group: {said}") from None
 
     def start_update(self, version: int, specs: list[ParameterSpec], bucket_bytes: int) -> None:
-        self.updates.put_nowait((version, specs, bucket_bytes))
+        self.updates.put_nowait((version, specs, bucket_bytes, self.groups_joined))
 
     async def _apply_updates(self) -> None:
         """One update after another, in the order announced (the trainer broadcasts in that order)."""
         while True:
-            version, specs, bucket_bytes = await self.updates.get()
+            version, specs, bucket_bytes, group = await self.updates.get()
             if self.stale:
+                continue
+            if not self.has_group or group != self.groups_joined:  # its group broke before this update's turn
+                self.roll_back(version, "an earlier update broke its weight group")
                 continue
             try:
                 await self._apply_update(version, specs, bucket_bytes)
+            except _ReceiveFailed as error:  # nothing loaded: the old weights keep serving
+                self.roll_back(version, str(error))
             except Exception as error:
                 if self.stale:  # said already
                     continue  # noqa: BLE001 (the server says so rather than serve stale weights)
-                first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
                 self.mark_stale(
-                    f"weights version {version} failed ({first_line}); this server's weights are out of date"
+                    f"weights version {version} failed ({first_line(error)}); this server's weights are out of date"
                 )
 
     async def _apply_update(self, version: int, specs, bucket_bytes: int) -> None:
@@ -328,7 +357,7 @@ class VLLMInferenceServer(ContractServer):
             await asyncio.sleep(delay)
             delay = min(2 * delay, 0.02)
         if status != "received":
-            raise RuntimeError(f"receiving failed: {error}")
+            raise _ReceiveFailed(f"receiving failed: {error}")
         self.receive_s_last = time.perf_counter() - start
         self.not_updating.clear()  # requests sent from now on wait for the new version (and its cache salt)
         pause_start = time.perf_counter()
@@ -403,6 +432,36 @@ class VLLMInferenceServer(ContractServer):
         return {"model_version": version, "digests": digests}
 
 
+_RENDEZVOUS_TIMED_OUT = "the rendezvous timed out"
+"""what the worker's error says when the trainer's side of a group did not come (vLLM's RPC keeps only messages)"""
+
+
+class _ReceiveFailed(RuntimeError):
+    """An update's broadcasts did not all arrive (the sender died, or sent nothing within the group's timeout): the
+    model was not touched."""
+
+
+def sampling_params(sampling: Sampling):
+    """vLLM's SamplingParams for a request's sampling (benchmarks/vllm_generate.py's offline limit samples so too)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        n=sampling.n,
+        temperature=sampling.temperature,
+        top_p=1.0,
+        top_k=0,
+        max_tokens=sampling.max_tokens,
+        logprobs=sampling.top_logprobs,  # the sampled token's, and this many most likely
+        stop_token_ids=sorted(sampling.stop_token_ids),
+        stop=list(sampling.stop) or None,  # cuts only vLLM's text: the token ids keep every token sampled
+        ignore_eos=True,  # EOS stops only as one of `stop` (grpo/server.py's semantics)
+        # the text is decoded by grpo.http_contract, as for grpo/server.py; vLLM decodes only to find stop strings
+        detokenize=bool(sampling.stop),
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+
+
 def _versions(spans, length: int) -> list[int]:
     """One version per token from vLLM's spans `[start, end) -> version label`."""
     versions: list[int | None] = [None] * length
@@ -430,7 +489,7 @@ def _meta_model(path: str):
 
 def _check_head_size(path: str) -> None:
     """vLLM's CPU attention takes only some head sizes, and says so only at the first forward pass (the engine
-    then dies): refuse to start instead. The `tiny` and `tiny-math` presets' is 16, which it does not take."""
+    then dies): refuse to start instead. The stage-1/2 `tiny` preset's is 16, which it does not take."""
     from transformers import AutoConfig
     from vllm.platforms import current_platform
 
@@ -464,6 +523,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--model", default="tiny-math", help="model name or folder (tiny-math, a save_pretrained folder)"
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind: loopback unless you mean to serve others")
+    parser.add_argument(
+        "--token-file",
+        default="",
+        help="a file holding the control token /init_process_group and /request_weight_update require (default: "
+        "$GRPO_SERVER_TOKEN; one of them is required with a --host beyond loopback)",
+    )
+    parser.add_argument(
+        "--rendezvous-allow",
+        nargs="*",
+        default=[],
+        help="addresses or networks (10.0.0.0/8) /init_process_group may name (default: loopback when --host is "
+        "loopback, else any)",
+    )
     parser.add_argument("--port", type=int, default=8000, help="port (0: one the OS picks; --port-file says which)")
     parser.add_argument("--port-file", default="", help="once listening, write the port to this file")
     parser.add_argument("--max-batch-size", type=int, default=64, help="sequences decoded together (max_num_seqs)")
@@ -508,7 +580,34 @@ def _environment(args: argparse.Namespace) -> str | None:
     return owned
 
 
-async def serve(args: argparse.Namespace) -> None:
+def engine_dtype(flag: str) -> str:
+    """`--dtype` as vLLM takes it; `auto`, as grpo/server.py's: float32 on the CPU (bitwise the trainer's
+    weights), bfloat16 on a GPU."""
+    if flag != "auto":
+        return flag
+    import torch
+
+    return "bfloat16" if torch.cuda.is_available() else "float32"
+
+
+def engine_arguments(args: argparse.Namespace, path: str, dtype: str) -> dict:
+    """vLLM's engine arguments for this server's flags (benchmarks/grpo_speed.py's offline limit row builds its
+    `LLM` from them too)."""
+    return dict(
+        model=path,
+        dtype=dtype,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        seed=args.seed,
+        max_num_seqs=args.max_batch_size,
+        max_model_len=args.max_model_len or None,
+        enforce_eager=not args.compile,
+        logprobs_mode="processed_logprobs",  # after the temperature: the contract's logprobs
+        disable_log_stats=True,
+        generation_config="vllm",  # no sampling defaults from the model folder: the request says them all
+    )
+
+
+async def serve(args: argparse.Namespace, access: ControlAccess) -> None:
     from transformers import AutoTokenizer
     from vllm import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -517,28 +616,11 @@ async def serve(args: argparse.Namespace) -> None:
 
     path = resolve_model_path(args.model)
     _check_head_size(path)
-    if args.dtype == "auto":  # as grpo/server.py's: float32 on the CPU is bitwise the trainer's weights
-        import torch
-
-        dtype = "bfloat16" if torch.cuda.is_available() else "float32"
-    else:
-        dtype = args.dtype
+    dtype = engine_dtype(args.dtype)
     start = time.perf_counter()
     stats = _Stats()
     engine = AsyncLLM.from_engine_args(
-        AsyncEngineArgs(
-            model=path,
-            dtype=dtype,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            seed=args.seed,
-            max_num_seqs=args.max_batch_size,
-            max_model_len=args.max_model_len or None,
-            enforce_eager=not args.compile,
-            logprobs_mode="processed_logprobs",  # after the temperature: the contract's logprobs
-            worker_extension_cls=f"{__name__}.WeightReceiver",
-            disable_log_stats=True,
-            generation_config="vllm",  # no sampling defaults from the model folder: the request says them all
-        ),
+        AsyncEngineArgs(**engine_arguments(args, path, dtype), worker_extension_cls=f"{__name__}.WeightReceiver"),
         stat_loggers=[stats.logger_factory()],
     )
     try:
@@ -546,10 +628,10 @@ async def serve(args: argparse.Namespace) -> None:
         if os.path.exists(f"/proc/{os.getpid()}/stat"):
             await engine.collective_rpc("grpo_watch_frontend", args=(os.getpid(),))
         server = VLLMInferenceServer(
-            engine, stats, AutoTokenizer.from_pretrained(path), args.model, path, dtype, args.version
+            engine, stats, AutoTokenizer.from_pretrained(path), args.model, path, dtype, args.version, access
         )
         log.info("vLLM engine up in %.1f s", time.perf_counter() - start)
-        runner = web.AppRunner(server.app(), access_log=None)
+        runner = web.AppRunner(server.app(), access_log=None, **RUNNER_OPTIONS)
         await runner.setup()
         listening, url = listen(args.host, args.port, args.port_file)
         await web.SockSite(runner, listening).start()
@@ -565,6 +647,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    access = ControlAccess.for_server(args.host, args.token_file, args.rendezvous_allow)
     from lm_human_preference_details.grpo.lifetime import exit_now, exit_with_parent
 
     if args.exit_with_parent:
@@ -573,7 +656,7 @@ def main(argv: list[str] | None = None) -> None:
     owned = _environment(args)
     status = 0
     try:
-        asyncio.run(serve(args))
+        asyncio.run(serve(args, access))
     except Exception:
         log.exception("the vLLM server failed")
         status = 1

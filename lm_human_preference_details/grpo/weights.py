@@ -222,7 +222,7 @@ class WeightSender:
             request_json(
                 "POST",
                 f"{url}/init_process_group",
-                {"init_method": init_method, "rank": 1, "world_size": 2, "backend": backend},
+                {"init_method": init_method, "rank": 1, "world_size": 2, "backend": backend, "timeout_s": timeout_s},
                 timeout_s=timeout_s,
             )
             rendezvous.join()

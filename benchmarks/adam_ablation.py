@@ -14,6 +14,7 @@ statistics, the same over the first `--updates` updates, and the ratio torch / T
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -64,6 +65,7 @@ def run_pair(args: Args, seed: int, reward_model: str, batch_size: int) -> dict[
     runs = {}
     for optimizer in OPTIMIZERS:
         out = os.path.join(args.out_dir, f"{optimizer}_seed_{seed}")
+        shutil.rmtree(out, ignore_errors=True)  # a fresh run: a stage refuses to log over an earlier one
         stage(
             "train_policy",
             "--task",

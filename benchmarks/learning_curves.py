@@ -12,6 +12,7 @@ Flags after `--` go to the stage script unchanged. Writes `<out-dir>/seed_<s>/` 
 
 import csv
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -57,6 +58,7 @@ def run_seed(args: Args, seed: int, stage_flags: list[str]) -> str:
     metrics = os.path.join(out, "metrics.jsonl")
     if args.reuse and os.path.exists(metrics):
         return metrics
+    shutil.rmtree(out, ignore_errors=True)  # a fresh run: a stage refuses to log over an earlier one
     cmd = [
         sys.executable,
         "-m",

@@ -24,6 +24,7 @@ The scaling table (`--scaling`) repeats `ours` and `raw` over batch sizes and re
 
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -252,6 +253,7 @@ def compare(args: Args, shape: Args, names: list[str], reward_model: str, label:
     for repeat in range(args.repeats):
         for name in names:
             run_dir = os.path.join(args.out_dir, label, f"{name}_{repeat}")
+            shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: a stage refuses to log over an earlier one
             os.makedirs(run_dir, exist_ok=True)
             runs[name].append(measure(args, name, shape, run_dir, reward_model))
     return {

@@ -6,20 +6,78 @@ checkpoint. It records the run's settings, and a resume with other settings (a b
 the reward model) is refused: the loop's state (query position, LR schedule, optimizer) only means something
 under the old ones. `save` / `saved` / `load` are the PPO stages' checkpoint; the GRPO trainer writes its own
 files (a model folder the servers load) through the same `staged`, `state_file` and `check_same_settings`.
+
+Only the latest checkpoint is kept (a save deletes the one it replaces): a kill or power cut mid-save cannot damage
+it, so what does is outside the run (a file deleted, cut short by a copy, a failing disk), which a second copy on
+the same disk would seldom escape, at twice the disk (a SmolLM2-135M checkpoint is 1.6 GB). A damaged one stops
+the run with one line naming the file (`load_or_explain`).
 """
 
 import contextlib
 import dataclasses
+import glob
+import json
 import os
+import pickle
 import random
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import numpy as np
 import torch
 from accelerate.utils import broadcast_object_list
+from safetensors import SafetensorError, safe_open
 
 from .cli import UserError
+
+T = TypeVar("T")
+
+UNREADABLE = (OSError, EOFError, ValueError, KeyError, RuntimeError, pickle.UnpicklingError, SafetensorError)
+"""what torch.load, safetensors and json raise for a file cut short, zeroed or of another format (a zeroed torch
+file is a KeyError; JSON and UTF-8 errors are ValueErrors)"""
+
+
+def load_or_explain(path: str, load: Callable[[str], T], fix: str) -> T:
+    """`load(path)`, or a UserError naming the file, what is wrong with it (missing, or the loader's own words for
+    a file it cannot read) and `fix`, the user's way out."""
+    if not os.path.isfile(path):
+        raise UserError(f"{path} is missing; {fix}")
+    try:
+        return load(path)
+    except UNREADABLE as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UserError(f"{path} cannot be read, cut short or corrupted? ({reason}); {fix}") from e
+
+
+def check_weights(model_folder: str, fix: str) -> None:
+    """UserError (`load_or_explain`) when `model_folder` has no `*.safetensors` file or one that is cut short or
+    corrupted: safetensors checks a file's header against its size, so this reads no weights."""
+    files = sorted(glob.glob(os.path.join(model_folder, "*.safetensors")))
+    if not files:
+        raise UserError(f"{model_folder} has no weights (no *.safetensors file); {fix}")
+    for path in files:
+        load_or_explain(path, _tensor_names, fix)
+
+
+def _tensor_names(path: str) -> list[str]:
+    """The names in a safetensors file's header (which safetensors checks against the file's size)."""
+    with safe_open(path, "pt") as f:
+        return list(f.keys())
+
+
+def damaged(final: str) -> str:
+    """The way out of a damaged checkpoint `final`, for `load_or_explain`."""
+    return (
+        f"the checkpoint {final} is damaged: put back a copy of it, or start a new run in another --output-dir "
+        "(no earlier checkpoint is kept)"
+    )
+
+
+def read_json(path: str):
+    """A JSON file's value (a checkpoint's state.json)."""
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
 
 
 def rng_state(device: torch.device) -> dict:
@@ -65,11 +123,10 @@ def staged(final: str, accelerator=None) -> Iterator[str]:
 
 def state_file(final: str, name: str) -> str | None:
     """The path of the checkpoint `final`'s file `name`, which a complete checkpoint has (`staged` writes it
-    whole or not at all); None when there is no checkpoint. A save killed between `swap_in`'s renames is put
-    back first (`recover`)."""
+    whole or not at all: if it is missing, the checkpoint is damaged); None when there is no checkpoint. A save
+    killed between `swap_in`'s renames is put back first (`recover`)."""
     recover(final)
-    path = os.path.join(final, name)
-    return path if os.path.exists(path) else None
+    return os.path.join(final, name) if os.path.isdir(final) else None
 
 
 def swap_in(staging: str, final: str) -> None:
@@ -148,7 +205,7 @@ def save(output_dir: str, accelerator, model, optimizer, loop_state: dict) -> No
 
 
 def saved(output_dir: str, accelerator) -> bool:
-    """Whether `output_dir` has a checkpoint to resume (the same answer on every process)."""
+    """Whether `output_dir` has a checkpoint to resume, whole or damaged (the same answer on every process)."""
     found = [False]
     if accelerator.is_main_process:
         found[0] = state_file(folder(output_dir), "state.pt") is not None
@@ -163,7 +220,9 @@ def load(output_dir: str, accelerator, model, optimizer) -> dict:
         raise UserError(
             f"--resume: no checkpoint in {path}; run without --resume, or point --output-dir at the run to resume"
         )
-    state = torch.load(os.path.join(path, "state.pt"), map_location=accelerator.device, weights_only=False)
+    # onto the CPU, whatever the device: a CPU process's device under accelerate is `cpu:<rank>`, a location
+    # torch.load cannot restore; load_state_dict copies each tensor to its parameter's device
+    state = load_or_explain(os.path.join(path, "state.pt"), load_onto_cpu, damaged(path))
     if state["loop"]["world_size"] != accelerator.num_processes:  # every process checks, so none waits alone
         raise UserError(
             f"--resume: {path} was saved by {state['loop']['world_size']} processes; resume it with as many, "
@@ -172,5 +231,10 @@ def load(output_dir: str, accelerator, model, optimizer) -> dict:
     rng_path = os.path.join(path, f"rng_{accelerator.process_index}.pt")
     accelerator.unwrap_model(model).load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
-    set_rng_state(torch.load(rng_path, weights_only=False), accelerator.device)
+    set_rng_state(load_or_explain(rng_path, load_onto_cpu, damaged(path)), accelerator.device)
     return state["loop"]
+
+
+def load_onto_cpu(path: str):
+    """A file `torch.save` wrote (objects of the run's own making: numpy's and Python's RNG states too)."""
+    return torch.load(path, map_location="cpu", weights_only=False)

@@ -72,8 +72,13 @@ def read_label_text(source: str) -> str:
         source = path
     if not os.path.isfile(source):
         raise LabelFileError(f"labels.source={source}: no such file")
-    with open(source, encoding="utf-8") as f:
-        return f.read()
+    try:
+        with open(source, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise LabelFileError(
+            f"labels.source={source}: not UTF-8 text ({e}): a label file is JSON, as make_labels writes it"
+        ) from None
 
 
 def parse_labels(

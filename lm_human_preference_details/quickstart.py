@@ -8,7 +8,8 @@
 
 `python -m lm_human_preference_details.quickstart`: sized to finish on a laptop's CPU while you wait, with a
 progress bar on each long phase (sizes in tasks.py, preset `sentiment-smollm2`). Any train_policy.py flag can
-follow, e.g. `--ppo.total-episodes 320`.
+follow, e.g. `--ppo.total-episodes 320`. Run again, it refuses to overwrite its earlier run: `--resume` continues
+that one (a finished one only shows its results again), another `--output-dir` starts a new one.
 """
 
 import os
@@ -21,7 +22,7 @@ from lm_human_preference_details.data import QuerySampler, format_queries
 from lm_human_preference_details.models import load_causal_lm
 from lm_human_preference_details.sampling import sample_responses
 from lm_human_preference_details.text import load_tokenizer, strip_pad
-from lm_human_preference_details.tracking import plot_curves, read_metrics
+from lm_human_preference_details.tracking import plot_curves, read_metrics, refuse_to_overwrite
 
 PRESET = "sentiment-smollm2"
 
@@ -54,6 +55,8 @@ def main() -> None:
         description=__doc__,
         presets=tasks.PRESETS,
     )
+    if not args.resume:  # refused before the models load and sample below, not after
+        refuse_to_overwrite(args.output_dir, resumable=True)
     accelerator = cli.make_accelerator()
     tokenizer = load_tokenizer(args.task.base_model)
     probe = next(QuerySampler(args.task, tokenizer, batch_size=4, seed=args.seed + 7))  # queries shown before and after

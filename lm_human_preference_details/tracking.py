@@ -2,11 +2,15 @@
 
 wandb runs online when WANDB_API_KEY is set and offline otherwise (`wandb sync` uploads later),
 so curves can be laid over OAI's baseline runs under the same metric names.
-Only the main process logs; the others get a Tracker that does nothing.
+Only the main process logs; the others get a Tracker that does nothing. No logged line is lost: a new run refuses
+a folder whose logs hold an earlier run's steps, a resumed run appends, after moving what the killed run logged past
+its checkpoint to a file of its own (`_open_log`).
 """
 
 import dataclasses
+import itertools
 import json
+import math
 import os
 import sys
 import uuid
@@ -14,6 +18,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 import tyro
+
+from .cli import UserError
 
 WandbMode = Literal["auto", "online", "offline", "disabled"]
 
@@ -48,6 +54,7 @@ class Tracker:
             project=args.wandb_project,
             run_name=args.run_name_for(stage),
             resume_after_step=resume_after_step,
+            resumable=hasattr(args, "resume"),
         )
 
     def __init__(
@@ -60,13 +67,17 @@ class Tracker:
         project: str,
         run_name: str,
         resume_after_step: int | None = None,
+        resumable: bool = False,
     ):
-        """`resume_after_step`: continue the run's files, dropping what was logged after that step
-        (a run killed after its last checkpoint logged steps that the resumed run logs again)."""
+        """`resume_after_step`: continue the run's logs, setting aside what was logged after that step (a run killed
+        after its last checkpoint logged steps that the resumed run logs again). A new run (None) refuses an
+        `output_dir` whose logs hold an earlier run's steps, naming `--resume` if the stage has it (`resumable`)."""
         self.enabled = enabled
         self.wandb = None
         if not enabled:
             return
+        if resume_after_step is None:
+            refuse_to_overwrite(output_dir, resumable)
         os.makedirs(output_dir, exist_ok=True)
         config_dict = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
         with open(os.path.join(output_dir, "args.json"), "w") as f:
@@ -150,15 +161,71 @@ def progress_bar(total: int, desc: str, unit: str, *, enabled: bool = True, init
     )
 
 
-def _open_log(path: str, keep_up_to_step: int | None):
-    """A JSON-lines log opened for appending, keeping only records with step <= keep_up_to_step (None: a new log)."""
-    if keep_up_to_step is None or not os.path.exists(path):
-        return open(path, "w")
-    kept = [r for r in read_metrics(path) if r["step"] <= keep_up_to_step]
-    with open(path + ".tmp", "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in kept)
-    os.replace(path + ".tmp", path)
+LOGS = ("metrics.jsonl", "samples.jsonl")
+"""a run's JSON-lines logs, one record per line, each with its step"""
+
+
+def earlier_logs(output_dir: str) -> list[str]:
+    """The logs (`LOGS`) in `output_dir` that hold anything: an earlier run's, which a new run must not overwrite."""
+    paths = [os.path.join(output_dir, name) for name in LOGS]
+    return [path for path in paths if os.path.exists(path) and os.path.getsize(path) > 0]
+
+
+def refuse_to_overwrite(output_dir: str, resumable: bool) -> None:
+    """UserError when a new run in `output_dir` would overwrite an earlier run's logs (`earlier_logs`), naming
+    `--resume` if the stage has it (`resumable`)."""
+    if logs := earlier_logs(output_dir):
+        way_out = "continue that run with --resume, or start" if resumable else "start"
+        raise UserError(
+            f"{output_dir} holds an earlier run's logs ({', '.join(logs)}), which a new run would overwrite: "
+            f"{way_out} this one in another --output-dir (or move those files away)"
+        )
+
+
+def _open_log(path: str, resume_after_step: int | None):
+    """A JSON-lines log opened for appending. Resuming after a step, the lines after it (logged by the killed run
+    past its checkpoint, the last maybe cut short) are first moved, as they were, to a file of their own named
+    after that step, and the log's earlier lines replace it whole (written beside it, then renamed)."""
+    if resume_after_step is None or not os.path.exists(path):
+        return open(path, "a")
+    with open(path) as f:
+        lines = f.readlines()
+    kept = 0
+    while kept < len(lines) and lines[kept].endswith("\n") and _step_of(lines[kept]) <= resume_after_step:
+        kept += 1
+    if kept < len(lines):
+        aside = _free_name(f"{path.removesuffix('.jsonl')}.after-step-{resume_after_step}", ".jsonl")
+        with open(aside, "x") as f:
+            f.writelines(lines[kept:])
+            _flush(f)
+        with open(path + ".tmp", "w") as f:
+            f.writelines(lines[:kept])
+            _flush(f)
+        os.replace(path + ".tmp", path)
+        print(
+            f"--resume: {path}: the {len(lines) - kept} lines logged after step {resume_after_step}, the checkpoint's "
+            f"(this run logs those steps again), are moved to {aside}",
+            flush=True,
+        )
     return open(path, "a")
+
+
+def _step_of(line: str) -> float:
+    """A log line's step; a blank line counts as before every step (it stays where it is)."""
+    return json.loads(line)["step"] if line.strip() else -math.inf
+
+
+def _free_name(stem: str, suffix: str) -> str:
+    """`stem + suffix`, or with -2, -3, ... after the stem: the first that names no file (a run killed twice
+    after one checkpoint sets lines aside twice)."""
+    candidates = (f"{stem}{'' if n == 1 else f'-{n}'}{suffix}" for n in itertools.count(1))
+    return next(path for path in candidates if not os.path.exists(path))
+
+
+def _flush(f) -> None:
+    """A file's data to the disk before a rename relies on it (a power cut could keep the rename, not the data)."""
+    f.flush()
+    os.fsync(f.fileno())
 
 
 def read_metrics(path: str) -> list[dict]:

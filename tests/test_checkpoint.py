@@ -72,7 +72,8 @@ def test_a_process_on_a_gpu_saves_and_restores_the_random_state_of_its_own_gpu_o
 
 def test_a_staged_checkpoint_replaces_the_previous_one_whole_or_not_at_all(tmp_path):
     """A block that fails leaves the previous checkpoint as it was; the next save clears what it left half written.
-    `state_file` finds a checkpoint's file, also one that a save killed between its renames left as `.old`."""
+    `state_file` finds a checkpoint's file, also one that a save killed between its renames left as `.old`, and names
+    a file its checkpoint lacks (a damaged checkpoint, which `load_or_explain` then reports, not a missing one)."""
     final = str(tmp_path / "checkpoint")
     assert checkpoint.folder(str(tmp_path)) == final and checkpoint.state_file(final, "state.json") is None
     with checkpoint.staged(final) as staging:
@@ -91,4 +92,4 @@ def test_a_staged_checkpoint_replaces_the_previous_one_whole_or_not_at_all(tmp_p
     )
     os.rename(final, final + ".old")
     assert checkpoint.state_file(final, "state.json") == os.path.join(final, "state.json")
-    assert checkpoint.state_file(final, "state.pt") is None
+    assert checkpoint.state_file(final, "state.pt") == os.path.join(final, "state.pt")

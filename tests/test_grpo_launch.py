@@ -653,3 +653,17 @@ def test_engine_auto_is_vllm_only_with_a_gpu_build_of_its_environment_and_a_gpu(
     assert GRPOArgs().server_engine() == "vllm" and GRPOArgs(engine="home").server_engine() == "home"
     monkeypatch.setenv(vllm_env.ENV_VAR, str(tmp_path / "empty"))
     assert GRPOArgs().server_engine() == "home"  # a GPU without the environment
+
+
+def test_a_new_run_into_an_earlier_runs_folder_is_refused_before_anything_starts(tmp_path):
+    """The earlier run's metrics are kept (no run overwrites another's logs) and no server, stream or role starts."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1}\n')
+    result = subprocess.run(
+        LAUNCH + ["--output-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: ") and "--resume" in line and "metrics.jsonl" in line, line
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    assert not (tmp_path / "run" / "logs").exists()

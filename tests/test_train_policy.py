@@ -30,18 +30,6 @@ def run(cmd, timeout=600) -> subprocess.CompletedProcess:
     return result
 
 
-@pytest.fixture(scope="module")
-def tiny_reward_model(tmp_path_factory) -> str:
-    """A reward model folder as train_reward.py saves one, on the tiny preset, untrained (a seeded head): the tests
-    that take it check stage 2's mechanics, none of them what a trained reward model teaches."""
-    path = str(tmp_path_factory.mktemp("reward") / "reward_model")
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        RewardModel.from_pretrained_lm("tiny").save(path)
-    load_tokenizer("tiny").save_pretrained(path)
-    return path
-
-
 @pytest.mark.slow
 def test_tiny_preset_end_to_end_score_rises_and_kl_tracks_target(tmp_path):
     """The public command: trains its own reward model first, then PPO."""

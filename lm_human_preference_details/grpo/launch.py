@@ -23,6 +23,7 @@ import json
 import logging
 import multiprocessing
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -32,11 +33,12 @@ import time
 from multiprocessing.connection import Connection
 from typing import Literal
 
-from lm_human_preference_details import cli
+from lm_human_preference_details import cli, tracking
 from lm_human_preference_details.grpo import streams
 from lm_human_preference_details.grpo.client import ServerError, ServerProcess, check_serving, request_json
 from lm_human_preference_details.grpo.config import PRESETS, GRPOArgs, get_preset, gpu_visible
 from lm_human_preference_details.grpo.lifetime import exit_now, exit_with_parent
+from lm_human_preference_details.grpo.protocol import TOKEN_ENV
 
 log = logging.getLogger(__name__)
 
@@ -101,13 +103,18 @@ class ServerEngine:
             )
         return model
 
-    def start(self, i: int, flags: list[str], log_file) -> ServerProcess:
+    def start(self, i: int, flags: list[str], log_file, env: dict | None = None) -> ServerProcess:
+        """Server `i` with `flags` (`server_flags`'), in `env` (default: this process's environment)."""
         if self.name == "home":
-            return ServerProcess(flags, log_file)
+            return ServerProcess(flags, log_file, env)
         from lm_human_preference_details.grpo import vllm_env
 
         cache = os.path.abspath(os.path.join(self.output_dir, "logs", f"vllm-server-{i}"))
-        env = dict(os.environ, VLLM_CONFIG_ROOT=os.path.join(cache, "config"), VLLM_RPC_BASE_PATH=self._rpc(cache))
+        env = dict(
+            os.environ if env is None else env,
+            VLLM_CONFIG_ROOT=os.path.join(cache, "config"),
+            VLLM_RPC_BASE_PATH=self._rpc(cache),
+        )
         return vllm_env.start_server([*flags, "--cache-dir", cache], log_file, env)
 
     def _rpc(self, cache: str) -> str:
@@ -148,6 +155,15 @@ def head_size(model_folder: str) -> int | None:
     return hidden // heads if hidden and heads else None
 
 
+def server_flags(args: GRPOArgs, model: str, version: int, i: int) -> list[str]:
+    """The flags of server `i` of a run (either engine's; benchmarks/grpo_speed.py starts its servers with them too)."""
+    return [
+        *("--model", model, "--threads", str(args.torch_threads("server"))),
+        *("--seed", str(args.seed + i), "--max-batch-size", str(args.server_batch_size)),
+        *("--version", str(version), "--exit-with-parent", "--dtype", args.server_dtype),
+    ]
+
+
 def last_error_line(log_path: str) -> str:
     """The last line of a server's log if it is an `error: ...` (what a server that refuses to start says), else ""."""
     try:
@@ -172,17 +188,15 @@ class Run:
         self._send_server_urls: list[Connection] = []
         self.logs = os.path.join(args.output_dir, "logs")
         os.makedirs(self.logs, exist_ok=True)
+        # the control token of the servers started here, which the trainer sends: in the environment the children
+        # inherit, not in their argv (`ps` shows it to every user); one set already, for `--servers`, is kept
+        os.environ.setdefault(TOKEN_ENV, secrets.token_hex(32))
 
     def start_servers(self, model: str, version: int) -> None:
         started = []
         for i in range(self.args.num_servers):
-            flags = [
-                *("--model", model, "--threads", str(self.args.torch_threads("server"))),
-                *("--seed", str(self.args.seed + i), "--max-batch-size", str(self.args.server_batch_size)),
-                *("--version", str(version), "--exit-with-parent", "--dtype", self.args.server_dtype),
-            ]
             with open(os.path.join(self.logs, f"server-{i}.log"), "ab") as log_file:  # the child keeps its own handle
-                started.append(self.engine.start(i, flags, log_file))
+                started.append(self.engine.start(i, server_flags(self.args, model, version, i), log_file))
             self.servers.append(started[-1].process)
         for i, server_process in enumerate(started):  # they load their models side by side
             try:
@@ -296,6 +310,7 @@ def launch(args: GRPOArgs) -> None:
 
         state, model = trainer.checkpoint_state(args), trainer.checkpoint_model(args.output_dir)
     else:
+        tracking.refuse_to_overwrite(args.output_dir, resumable=True)  # before the stream is emptied or anything starts
         state, model = {"version": 0, "stream_position": 0}, args.model
     version = state["version"]
     if engine is not None:

@@ -7,10 +7,12 @@ A decode loop of our own with the model's KV cache, rather than `generate`, so t
 semantics (and the position ids of left-padded queries) are explicit and cannot drift.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 
+from .data import QuerySampler
 from .models import masked_inputs
 
 
@@ -51,3 +53,21 @@ def sample_responses(
         out = lm(input_ids=token, attention_mask=mask, position_ids=next_position, cache=out.cache, use_cache=True)
         next_position = next_position + 1
     return torch.cat(tokens, dim=1), torch.cat(logprobs, dim=1)
+
+
+@dataclass(frozen=True)
+class StageHooks:
+    """Where a stage script's queries, responses and shuffles come from, and a look at the model after each
+    update. The defaults are the stage's own (OAI's behaviour); a replay of OAI's own run
+    (tests/oai_replay) passes the queries, responses and permutations that OAI drew."""
+
+    query_sampler: Callable[..., Iterator[torch.Tensor]] = QuerySampler
+    """called as `QuerySampler(task, tokenizer, batch_size=, seed=, rank=, world_size=)`; the stages use its `next`,
+    `batch_size`, `batches_drawn` and (on resume) `skip`"""
+    sample: Callable[..., tuple[torch.Tensor, torch.Tensor]] = sample_responses
+    """called as `sample_responses`"""
+    permutation: Callable[..., torch.Tensor] = torch.randperm
+    """called as `torch.randperm(n, generator=)` or `torch.randperm(n, device=)`"""
+    after_update: Callable[[int, torch.nn.Module], None] = lambda update, model: None
+    """called with the update's number (from 1) and the model after it: stage 1's optimizer step on a batch of
+    labels, stage 2's epochs on a batch of rollouts"""

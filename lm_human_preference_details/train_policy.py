@@ -28,13 +28,13 @@ import torch
 from accelerate.utils import broadcast_object_list, set_seed
 
 from lm_human_preference_details import checkpoint, cli, labelers, ppo, tasks, train_reward
-from lm_human_preference_details.data import QuerySampler, format_queries
+from lm_human_preference_details.data import format_queries
 from lm_human_preference_details.models import PolicyAndValue, RewardModel, load_causal_lm, logprobs_of
 from lm_human_preference_details.optim import OptimizerName, make_optimizer
-from lm_human_preference_details.sampling import sample_responses
+from lm_human_preference_details.sampling import StageHooks
 from lm_human_preference_details.tasks import TaskHParams
 from lm_human_preference_details.text import contains_truncate_token, load_tokenizer, strip_pad, truncate_after_token
-from lm_human_preference_details.tracking import RunArgs, Tracker, progress_bar
+from lm_human_preference_details.tracking import RunArgs, Tracker, earlier_logs, progress_bar, refuse_to_overwrite
 
 
 @dataclass
@@ -194,6 +194,7 @@ def load_reward_model(path: str, tokenizer) -> RewardModel:
         raise cli.UserError(
             f"rewards.trained_model={path} is not a reward model folder (no {RewardModel.HEAD_FILE}): {hint}"
         )
+    checkpoint.check_weights(path, "put back a copy of the reward model, or train it again with train_reward.py")
     reward_tokenizer = load_tokenizer(path)
     if reward_tokenizer.get_vocab() != tokenizer.get_vocab():
         raise cli.UserError(
@@ -223,6 +224,8 @@ def reward_model_and_resume(args: Args, accelerator) -> tuple[str, bool]:
     finds.
     """
     resume_from_checkpoint = args.resume and checkpoint.saved(args.output_dir, accelerator)
+    if not args.resume:  # before stage 1 trains, not after
+        refuse_to_overwrite(args.output_dir, resumable=True)
     if args.rewards.trained_model is not None:
         return args.rewards.trained_model, args.resume
     reward_args = train_reward.defaults_for_task(args.preset)  # OAI: launch.py#L116-L138
@@ -249,6 +252,12 @@ def reward_model_and_resume(args: Args, accelerator) -> tuple[str, bool]:
     if not trained[0]:
         return train_reward.train(reward_args, accelerator), resume_from_checkpoint
     if not resume_from_checkpoint:  # killed after stage 1, before stage 2's first checkpoint
+        if logs := earlier_logs(args.output_dir):  # logged by a stage 2 whose checkpoint is gone: kept, not restarted
+            raise cli.UserError(
+                f"--resume: no checkpoint in {checkpoint.folder(args.output_dir)} to continue {', '.join(logs)} "
+                "from (deleted, or killed before its first save?); put it back, or move those files away to start "
+                "stage 2 over"
+            )
         accelerator.print(
             f"--resume: the reward model in {reward_path} is done and stage 2 saved no checkpoint: it starts over"
         )
@@ -287,8 +296,14 @@ def save_policy(path: str, policy: PolicyAndValue, tokenizer, accelerator) -> No
     accelerator.wait_for_everyone()
 
 
-def train(args: Args, accelerator) -> tuple[PolicyAndValue, ppo.AdaptiveKLController | ppo.FixedKLController]:
-    """Run stage 2 (and stage 1 first when no reward model is given); returns the policy and its KL controller."""
+def train(
+    args: Args, accelerator, hooks: StageHooks | None = None
+) -> tuple[PolicyAndValue, ppo.AdaptiveKLController | ppo.FixedKLController]:
+    """Run stage 2 (and stage 1 first when no reward model is given); returns the policy and its KL controller.
+
+    `hooks`: where queries, responses and minibatch orders come from (`StageHooks`; None: this stage's own).
+    """
+    hooks = hooks or StageHooks()
     validate(args, accelerator.num_processes)
     requested = checkpoint.settings(args)  # as given: the reward model's path, filled in below, follows output_dir
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
@@ -312,7 +327,7 @@ def train(args: Args, accelerator) -> tuple[PolicyAndValue, ppo.AdaptiveKLContro
     minibatch = per_process // p.nminibatches
     micro_batch = minibatch // p.gradient_accumulation_steps
     num_updates = -(-p.total_episodes // p.batch_size)  # ceil: # OAI: lm_human_preferences/train_policy.py#L78-L79
-    sampler = QuerySampler(
+    sampler = hooks.query_sampler(
         args.task, tokenizer, batch_size=per_process, seed=args.task.query_seed, rank=rank, world_size=world
     )
     model, optimizer = accelerator.prepare(policy, optimizer)
@@ -340,7 +355,7 @@ def train(args: Args, accelerator) -> tuple[PolicyAndValue, ppo.AdaptiveKLContro
         with torch.no_grad():
             queries = next(sampler).to(device)  # (B, Q) bare queries: what the reward model reads
             contexts = format_queries(queries, tokenizer, args.task)  # (B, Q'): what the policy reads
-            responses, _ = sample_responses(
+            responses, _ = hooks.sample(
                 accelerator.unwrap_model(model).lm,
                 contexts,
                 pad_id,
@@ -360,7 +375,7 @@ def train(args: Args, accelerator) -> tuple[PolicyAndValue, ppo.AdaptiveKLContro
         # ---------------------------------------------------------------- PPO epochs
         ppo_stats: dict[str, list[torch.Tensor]] = {}
         for _ in range(p.noptepochs):  # OAI: lm_human_preferences/train_policy.py#L184-L192
-            order = torch.randperm(per_process, device=device)
+            order = hooks.permutation(per_process, device=device)
             for mb in order.split(minibatch):
                 advantages, returns = ppo.minibatch_advantages(
                     values[mb], rewards[mb], p.gamma, p.lam, p.whiten_rewards
@@ -414,6 +429,7 @@ def train(args: Args, accelerator) -> tuple[PolicyAndValue, ppo.AdaptiveKLContro
         # OAI: lm_human_preferences/train_policy.py#L241
         metrics["ppo/val/var_explained"] = 1 - metrics["ppo/val/error"] / max(metrics["ppo/returns/var"], 1e-12)
         kl_ctl.update(metrics["objective/kl"], p.batch_size)  # OAI: lm_human_preferences/train_policy.py#L305
+        hooks.after_update(update, accelerator.unwrap_model(model))
 
         # ---------------------------------------------------------------- log, checkpoint
         metrics.update(

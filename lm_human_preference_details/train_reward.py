@@ -27,7 +27,7 @@ from lm_human_preference_details.data import Labels, QuerySampler, format_querie
 from lm_human_preference_details.make_labels import make_labels
 from lm_human_preference_details.models import RewardModel, load_causal_lm
 from lm_human_preference_details.optim import OptimizerName, make_optimizer
-from lm_human_preference_details.sampling import sample_responses
+from lm_human_preference_details.sampling import StageHooks, sample_responses
 from lm_human_preference_details.tasks import LabelHParams, TaskHParams
 from lm_human_preference_details.text import load_tokenizer
 from lm_human_preference_details.tracking import RunArgs, Tracker, progress_bar
@@ -114,9 +114,10 @@ def reward_logits(reward_model, labels: Labels, pad_id: int) -> torch.Tensor:
 
 @torch.no_grad()
 def reference_reward_stats(
-    reward_model, ref_lm, sampler: QuerySampler, task: TaskHParams, tokenizer, num_samples: int, accelerator
+    reward_model, ref_lm, sampler, task: TaskHParams, tokenizer, num_samples: int, accelerator, sample=None
 ) -> tuple[float, float]:
-    """Mean and population std of the reward of reference-policy samples, over all processes.
+    """Mean and population std of the reward of reference-policy samples, over all processes; `sample` draws
+    them (None: `sample_responses`).
 
     Responses are sampled untruncated, from the formatted query; the reward model reads the bare query.
     # OAI: lm_human_preferences/train_reward.py#L162-L168 (stats)
@@ -127,7 +128,7 @@ def reference_reward_stats(
     rewards = []
     for _ in range(math.ceil(num_samples / rollout_batch_size)):
         queries = next(sampler).to(accelerator.device)
-        responses, _ = sample_responses(
+        responses, _ = (sample or sample_responses)(
             ref_lm,
             format_queries(queries, tokenizer, task),
             pad_id,
@@ -212,8 +213,13 @@ def accuracy(reward_model, labels: Labels, pad_id: int, batch_size: int, acceler
     return float(counts[0] / counts[1])
 
 
-def train(args: Args, accelerator: Accelerator) -> str:
-    """Run stage 1; returns the folder of the trained reward model."""
+def train(args: Args, accelerator: Accelerator, hooks: StageHooks | None = None) -> str:
+    """Run stage 1; returns the folder of the trained reward model.
+
+    `hooks`: where the normalization's queries and responses and the labels' order come from (`StageHooks`;
+    None: this stage's own).
+    """
+    hooks = hooks or StageHooks()
     validate(args, accelerator.num_processes)
     # every process builds the same reward head, as OAI's rank 0 broadcasts its initial weights (`sync_models`
     # before training); then each its own stream
@@ -230,7 +236,7 @@ def train(args: Args, accelerator: Accelerator) -> str:
     labels = obtain_labels(args, tokenizer, ref_lm, accelerator)
     train_labels = labels[: args.labels.num_train]
     test_labels = labels[args.labels.num_train : args.labels.num_train + args.labels.num_test]
-    sampler = QuerySampler(
+    sampler = hooks.query_sampler(
         args.task,
         tokenizer,
         batch_size=args.rollout_batch_size // accelerator.num_processes,
@@ -241,7 +247,14 @@ def train(args: Args, accelerator: Accelerator) -> str:
 
     def measure(num_samples):
         return reference_reward_stats(
-            reward_model, ref_lm, sampler, args.task, tokenizer, num_samples or args.normalize_samples, accelerator
+            reward_model,
+            ref_lm,
+            sampler,
+            args.task,
+            tokenizer,
+            num_samples or args.normalize_samples,
+            accelerator,
+            hooks.sample,
         )
 
     if args.normalize_before:  # OAI: lm_human_preferences/train_reward.py#L232-L234
@@ -251,7 +264,7 @@ def train(args: Args, accelerator: Accelerator) -> str:
     model, optimizer = accelerator.prepare(reward_model, optimizer)
     # one shuffle shared by all processes, so each label is trained on exactly once
     # OAI: lm_human_preferences/train_reward.py#L240-L241
-    order = torch.randperm(args.labels.num_train, generator=torch.Generator().manual_seed(args.seed))
+    order = hooks.permutation(args.labels.num_train, generator=torch.Generator().manual_seed(args.seed))
     num_steps = args.labels.num_train // args.batch_size
     bar = progress_bar(num_steps, "reward model", "batch", enabled=accelerator.is_main_process)
     for step, start in enumerate(range(0, args.labels.num_train, args.batch_size), start=1):
@@ -266,6 +279,7 @@ def train(args: Args, accelerator: Accelerator) -> str:
         optimizer.zero_grad()
         accelerator.backward(loss)
         optimizer.step()
+        hooks.after_update(step, accelerator.unwrap_model(model))
         stats = accelerator.reduce(
             torch.stack([loss.detach(), (logits.argmax(1) == batch.best).float().mean()]), "mean"
         )

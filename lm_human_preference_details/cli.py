@@ -35,7 +35,8 @@ def parse(
     description: str | None = None,
     presets: Collection[str] = (),
 ) -> T:
-    """`--task NAME` picks the preset whose values become the defaults; every other flag overrides them.
+    """`--task NAME` picks the preset whose values become the defaults; every other flag overrides them (`--recipe
+    NAME`, for an args type with recipes, stands for its flags in its place: `expand_recipes`).
     `--help` names the command as the user types it (`command_of` the calling module), opens with `description`
     (default: the docstring of `args_type`) and lists `presets`, the names `--task` takes."""
     quiet_transformers()
@@ -51,12 +52,30 @@ def parse(
             task = arg.split("=", 1)[1]
             del argv[i]
             break
+    argv = expand_recipes(args_type, argv)
     task_flag = f"--task {{{','.join(presets)}}}" if presets else "--task NAME"
     description = (
         f"{description or args_type.__doc__}\n\n`{task_flag}` (default: {default_task}) picks a preset whose values "
         "are the defaults below; any flag overrides them."
     )
     return tyro.cli(args_type, prog=prog, default=defaults_for_task(task), args=argv, description=description)
+
+
+def expand_recipes(args_type: type, argv: list[str]) -> list[str]:
+    """Each `--recipe NAME` followed, in its place, by the flags it stands for (`args_type.recipe_flags(NAME)`, for
+    an args type that has recipes): they override the task's values and the flags before it, the flags after it
+    override them."""
+    recipe_flags = getattr(args_type, "recipe_flags", None)
+    if recipe_flags is None:
+        return argv
+    expanded = []
+    for i, arg in enumerate(argv):
+        expanded.append(arg)
+        if arg.startswith("--recipe="):
+            expanded += recipe_flags(arg.split("=", 1)[1])
+        elif i and argv[i - 1] == "--recipe":
+            expanded += recipe_flags(arg)
+    return expanded
 
 
 def command_of(module_globals: dict) -> str | None:

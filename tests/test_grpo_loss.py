@@ -2,10 +2,14 @@
 
 Each expected number below is worked out by hand (in the comment next to it) from the formulas in
 PipelineRL's `rl_step` / `populate_rl_data` (ServiceNow/PipelineRL, pipelinerl/finetune/rl/__init__.py),
-not by calling the code under test.
+not by calling the code under test; the peers' options are checked against float64 loops transcribed from
+their code, and TRL's losses against TRL 1.16's GRPOTrainer itself, run in its own environment.
 """
 
+import json
 import math
+import os
+import subprocess
 
 import pytest
 import torch
@@ -84,15 +88,19 @@ def test_group_advantages_bad_sizes():
     with pytest.raises(ValueError, match=r"7.*4"):
         gl.group_advantages(torch.zeros(7), 4)
     with pytest.raises(ValueError, match="group_size"):
-        gl.group_advantages(torch.zeros(4), 1, baseline="leave_one_out")
-    with pytest.raises(ValueError, match="group_size"):
-        gl.group_advantages(torch.zeros(4), 1, divide_by_std=True)
-    with pytest.raises(ValueError, match="group_size"):
         gl.group_advantages(torch.zeros(4), 0)
     with pytest.raises(ValueError, match="1-D"):
         gl.group_advantages(torch.zeros(2, 4), 4)
-    # group_size 1 with the mean baseline is allowed (all advantages 0)
-    assert torch.all(gl.group_advantages(torch.arange(3.0), 1) == 0)
+    with pytest.raises(ValueError, match="std_over"):
+        gl.group_advantages(torch.zeros(4), 2, divide_by_std=True, std_over="prompt")
+
+
+@pytest.mark.parametrize("baseline", ["mean", "leave_one_out"])
+@pytest.mark.parametrize("divide_by_std", [False, True])
+def test_a_group_of_one_gets_advantage_zero_as_in_pipelinerl(baseline, divide_by_std):
+    """PipelineRL's populate_rl_data: loo_mean = current_reward when group_count is 1, and a NaN std taken as 0."""
+    got = gl.group_advantages(torch.arange(3.0) + 1, 1, baseline, divide_by_std, std_over="group")
+    assert got.tolist() == [0.0, 0.0, 0.0]
 
 
 # ----------------------------------------------------------------------------- k3 and ESS
@@ -271,7 +279,7 @@ def test_kl_coef_without_reference_is_an_error():
     with pytest.raises(ValueError, match="ref_logprobs"):
         gl.policy_loss(x, x, torch.zeros(1), torch.ones(1, 2), 1, kl_coef=0.1)
     with pytest.raises(ValueError, match="loss_type"):
-        gl.policy_loss(x, x, torch.zeros(1), torch.ones(1, 2), 1, loss_type="gspo")
+        gl.policy_loss(x, x, torch.zeros(1), torch.ones(1, 2), 1, loss_type="dpo")
     # a reference with kl_coef 0 is only logged: the loss is unchanged
     ref = torch.full((1, 2), -1.0)
     a, _ = gl.policy_loss(x, x, torch.ones(1), torch.ones(1, 2), 1)
@@ -369,6 +377,7 @@ def test_stats_on_a_hand_case():
     loss, s = gl.policy_loss(new, behaviour, adv, mask, 4, ratio_cap=5.0, ref_logprobs=ref)
     assert set(s) == {
         "ratio/mean", "ratio/max", "ratio/clipfrac", "ess", "logprob/new_mean", "kl/behaviour", "kl/ref",
+        "weight/mean", "weight/max", "weight/ess",
     }  # fmt: skip
     assert all(v.dim() == 0 and not v.requires_grad for v in s.values())
     # masked ratios 1, 2, 8
@@ -376,6 +385,9 @@ def test_stats_on_a_hand_case():
     assert s["ratio/max"].item() == pytest.approx(8.0)
     assert s["ratio/clipfrac"].item() == pytest.approx(1 / 3)  # only 8 is above the cap 5
     assert s["ess"].item() == pytest.approx(121 / 207)  # (1 + 2 + 8)^2 / (3 * (1 + 4 + 64))
+    # the capped weights the loss applied, 1, 2, 5 (PipelineRL's reinforce logs these as ratio_new_old)
+    assert s["weight/mean"].item() == pytest.approx(8 / 3) and s["weight/max"].item() == 5.0
+    assert s["weight/ess"].item() == pytest.approx(64 / 90)  # (1 + 2 + 5)^2 / (3 * (1 + 4 + 25))
     assert s["logprob/new_mean"].item() == pytest.approx(-3.5 / 3)
     # k3(behaviour, new) = r - ln r - 1 for r = 1, 2, 8: 0, 1 - ln 2, 7 - ln 8
     assert s["kl/behaviour"].item() == pytest.approx((8 - math.log(16)) / 3)
@@ -394,3 +406,328 @@ def test_ppo_clip_stats_and_loss_on_the_hand_case():
     assert "kl/ref" not in s
     # min(1, 1) + min(2, 1.2) * 1 + min(8 * 2, 1.2 * 2) = 1 + 1.2 + 2.4 = 4.6
     assert loss.item() == pytest.approx(-4.6 / 4)
+
+
+# ----------------------------------------------------------------------------- the peers' options, against loops
+# Each reference below is a float64 loop transcribed from the peer's code (PipelineRL at 58d3934, TRL 1.16.0; the
+# lines are named), one rollout or token at a time, independent of the vectorised code under test.
+
+
+def pipelinerl_advantages(rewards: list[float], group_size: int, divide_by_std: bool) -> list[float]:
+    """PipelineRL: pipelinerl/finetune/rl/__init__.py#L507-L520 (`populate_rl_data`'s calculate_advantages)."""
+    out = []
+    for start in range(0, len(rewards), group_size):
+        group = rewards[start : start + group_size]
+        count, total = len(group), sum(group)
+        mean = total / count
+        std = math.sqrt(sum((r - mean) ** 2 for r in group) / (count - 1)) if count > 1 else 0.0  # pandas' NaN -> 0
+        for r in group:
+            loo_mean = (total - r) / (count - 1) if count > 1 else r
+            out.append((r - loo_mean) / (std + 1e-4) if divide_by_std else r - loo_mean)
+    return out
+
+
+def trl_advantages(rewards: list[float], group_size: int, scale_rewards: str) -> list[float]:
+    """TRL: trl/trainer/grpo_trainer.py#L2763-L2787 (group mean; std of the group or the batch, Bessel's)."""
+
+    def std(xs):
+        m = sum(xs) / len(xs)
+        return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+
+    out = []
+    for i, r in enumerate(rewards):
+        group = rewards[i - i % group_size : i - i % group_size + group_size]
+        adv = r - sum(group) / group_size
+        if scale_rewards != "none":
+            adv /= (std(group) if scale_rewards == "group" else std(rewards)) + 1e-4
+        out.append(adv)
+    return out
+
+
+@pytest.mark.parametrize("group_size", [1, 2, 3, 5])
+@pytest.mark.parametrize("divide_by_std", [False, True])
+def test_leave_one_out_advantages_match_pipelinerls_populate_rl_data(group_size, divide_by_std):
+    rewards = torch.randn(group_size * 4, dtype=F64).round(decimals=1)  # ties too: a zero-std group or two
+    rewards[:group_size] = 1.0
+    got = gl.group_advantages(rewards, group_size, "leave_one_out", divide_by_std)
+    expected = pipelinerl_advantages(rewards.tolist(), group_size, divide_by_std)
+    torch.testing.assert_close(got, t(expected), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("scale_rewards", ["none", "group", "batch"])
+def test_mean_baseline_advantages_match_trls_scale_rewards(scale_rewards):
+    rewards = torch.randn(12, dtype=F64)
+    got = gl.group_advantages(
+        rewards, 4, "mean", scale_rewards != "none", std_over=scale_rewards.replace("none", "group")
+    )
+    torch.testing.assert_close(got, t(trl_advantages(rewards.tolist(), 4, scale_rewards)), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("use_advantages", [True, False])
+@pytest.mark.parametrize("relu", [True, False])
+def test_policy_weights_match_pipelinerls_log_p_weights(use_advantages, relu):
+    advantages, rewards = t([-1.5, 0.0, 2.0, 0.5]), t([0.0, 1.0, 1.0, -3.0])
+    # PipelineRL: pipelinerl/finetune/rl/__init__.py#L276-L278
+    expected = [max(w, 0.0) if relu else w for w in (advantages if use_advantages else rewards).tolist()]
+    assert gl.policy_weights(advantages, rewards, use_advantages, relu).tolist() == expected
+
+
+def test_linear_decay_is_pipelinerls_schedule():
+    # PipelineRL: pipelinerl/finetune/rl/__init__.py#L133, initial + (final - initial) * current_step / max_step
+    assert [gl.linear_decay(s, 4, 0.1, 0.02) for s in range(5)] == pytest.approx([0.1, 0.08, 0.06, 0.04, 0.02])
+    assert gl.linear_decay(3, 10, 0.5, 0.5) == 0.5
+
+
+def _rows(seed=3, B=5, T=6):
+    new, behaviour, ref, adv, mask = _random_batch(seed, B, T)
+    mask[:, 0] = 1.0  # every row has a token
+    mask[-1] = 0.0  # and one (a completion dropped by overlong filtering) has none
+    mask[-1, 0] = 0.0
+    return new, behaviour, ref, adv, mask
+
+
+@pytest.mark.parametrize("normalizer", ["sequences", "sequence_mean", "tokens", "max_tokens", "group_tokens"])
+def test_token_weights_match_the_peers_normalisers_and_micro_batches_add_up(normalizer):
+    new, behaviour, _, adv, mask = _rows()
+    B, T = mask.shape
+    group_tokens = t([7.0, 7.0, 9.5, 9.5, 4.0])
+    kwargs = dict(num_tokens=int(mask.sum()), max_tokens=8, group_tokens=group_tokens)
+    weights = gl.token_weights(mask, normalizer, B, **kwargs)
+    for b in range(B):
+        for k in range(T):
+            if mask[b, k] == 0:
+                expected = 0.0
+            elif normalizer == "sequences":  # PipelineRL#L250: 1 / batch_size
+                expected = 1 / B
+            elif normalizer == "sequence_mean":  # TRL#L3154: each row's mean, then the mean over rows
+                expected = 1 / (mask[b].sum().item() * B)
+            elif normalizer == "tokens":  # TRL#L3170: num_items_in_batch
+                expected = 1 / mask.sum().item()
+            elif normalizer == "max_tokens":  # TRL#L3164: B * max_completion_length
+                expected = 1 / (B * 8)
+            else:  # PipelineRL#L248: 1 / group_tokens
+                expected = 1 / group_tokens[b].item()
+            assert weights[b, k].item() == pytest.approx(expected, rel=1e-12)
+    # the batch's counts in each micro-batch: the micro-batch losses add up to the batch's
+    whole, _ = gl.policy_loss(new, behaviour, adv, mask, B, weights=weights)
+    parts = sum(
+        gl.policy_loss(
+            new[rows],
+            behaviour[rows],
+            adv[rows],
+            mask[rows],
+            B,
+            weights=gl.token_weights(mask[rows], normalizer, B, **{**kwargs, "group_tokens": group_tokens[rows]}),
+        )[0]
+        for rows in (slice(0, 2), slice(2, 5))
+    )
+    torch.testing.assert_close(parts, whole, rtol=1e-12, atol=1e-12)
+    if normalizer == "sequences":  # the default path, unweighted
+        assert gl.policy_loss(new, behaviour, adv, mask, B)[0].item() == pytest.approx(whole.item(), rel=1e-12)
+
+
+def test_token_weights_refuse_a_missing_count():
+    mask = torch.ones(2, 3)
+    for normalizer, message in (("tokens", "num_tokens"), ("max_tokens", "max_tokens"), ("group_tokens", "shape")):
+        with pytest.raises(ValueError, match=message):
+            gl.token_weights(mask, normalizer, 2)
+    with pytest.raises(ValueError, match="unknown normalizer"):
+        gl.token_weights(mask, "bnpo", 2)
+
+
+def pipelinerl_token_loss(new, behaviour, ref, log_p_weight, entropy, token_weight, epsilon_high, clamp, kl, bonus):
+    """PipelineRL: pipelinerl/finetune/rl/__init__.py#L280-L361, case reinforce, one token: the per-token loss that
+    rl_step sums over the masked tokens (torch scalars, so that autograd gives its gradient)."""
+    ratio = torch.exp(new - behaviour)
+    log_ratio_ref_new = torch.clamp(ref - new, -clamp, clamp)
+    approx_kl = torch.exp(log_ratio_ref_new) - log_ratio_ref_new - 1
+    policy = new * log_p_weight * torch.clamp(ratio, 0, 1 + epsilon_high).detach()
+    return -(policy - kl * approx_kl + bonus * entropy) * token_weight
+
+
+def test_reinforce_with_every_pipelinerl_option_matches_a_loop_of_its_rl_step():
+    """Its base.yaml's cap (1 + 0.02) and KL clamp (5), a KL coefficient and an entropy bonus, relu'd weights,
+    group normalisation and overlong filtering (the last row), against the loop, value and gradient."""
+    new, behaviour, ref, adv, mask = _rows()
+    ref = ref - 6 * (torch.arange(6, dtype=F64) == 2)  # some log ratios beyond the clamp of 5
+    entropy = torch.rand(mask.shape, dtype=F64) * 2
+    group_tokens = t([7.0, 7.0, 9.5, 9.5, 4.0])
+    weights = gl.token_weights(mask, "group_tokens", 5, group_tokens=group_tokens)
+    log_p_weights = gl.policy_weights(adv, adv, relu=True)
+    ours_new, ours_entropy = new.clone().requires_grad_(), entropy.clone().requires_grad_()
+    loss, _ = gl.policy_loss(
+        ours_new, behaviour, log_p_weights, mask, 5, ratio_cap=1.02, ref_logprobs=ref, kl_coef=0.3,
+        kl_clamp=5.0, entropy=ours_entropy, entropy_coef=0.01, weights=weights,
+    )  # fmt: skip
+    loss.backward()
+    loop_new, loop_entropy = new.clone().requires_grad_(), entropy.clone().requires_grad_()
+    expected = sum(
+        pipelinerl_token_loss(
+            loop_new[b, k], behaviour[b, k], ref[b, k], max(adv[b].item(), 0.0), loop_entropy[b, k],
+            1 / group_tokens[b].item(), 0.02, 5.0, 0.3, 0.01,
+        )
+        for b in range(5)
+        for k in range(6)
+        if mask[b, k]
+    )  # fmt: skip
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ours_new.grad, loop_new.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ours_entropy.grad, loop_entropy.grad, rtol=1e-12, atol=1e-12)
+    assert ((ref - new).abs() * mask).max() > 5  # the clamp was in play
+
+
+def test_gspo_matches_a_loop_of_pipelinerls_gspo_case():
+    """PipelineRL: pipelinerl/finetune/rl/__init__.py#L310-L348: the sequence's ratio exp(mean log ratio), its mean
+    advantage, clipped with epsilon_low and epsilon_high, times the sum of its token weights."""
+    new, behaviour, _, adv, mask = _rows()
+    ours_new = new.clone().requires_grad_()
+    loss, stats = gl.policy_loss(ours_new, behaviour, adv, mask, 5, loss_type="gspo", clip_eps=0.1, clip_eps_high=0.2)
+    loss.backward()
+    loop_new = new.clone().requires_grad_()
+    expected, clipped_tokens = 0.0, 0
+    for b in range(5):
+        tokens = [k for k in range(6) if mask[b, k]]
+        if not tokens:
+            continue
+        s = torch.exp(sum(loop_new[b, k] - behaviour[b, k] for k in tokens) / len(tokens))
+        a = adv[b].item()
+        clamped = torch.clamp(s, 1 - 0.1, 1 + 0.2)
+        weight_sum = len(tokens) / 5  # tokens_weights = 1 / batch_size, summed over the sequence
+        expected = expected - torch.min(s * a, clamped * a) * weight_sum
+        clipped_tokens += len(tokens) * bool(clamped != s)
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ours_new.grad, loop_new.grad, rtol=1e-12, atol=1e-12)
+    assert stats["ratio/clipfrac"].item() == pytest.approx(clipped_tokens / mask.sum().item())
+    assert 0 < clipped_tokens < mask.sum()  # some sequences clipped, some not
+
+
+def trl_importance_weights(log_ratio, mask, mode: str, cap: float) -> list[list[float]]:
+    """TRL: trl/trainer/grpo_trainer.py#L2660-L2705, vllm_importance_sampling_ratio with clip_min None, a loop."""
+    out = []
+    for b in range(log_ratio.shape[0]):
+        diffs = [log_ratio[b, k].item() * mask[b, k].item() for k in range(log_ratio.shape[1])]
+        ratios = [math.exp(sum(diffs))] * len(diffs) if mode.startswith("sequence") else [math.exp(d) for d in diffs]
+        out.append([min(r, cap) if mode.endswith("truncate") else (0.0 if r > cap else r) for r in ratios])
+    return out
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+def test_reinforce_weights_match_trls_truncated_importance_sampling(mode):
+    new, behaviour, _, adv, mask = _rows()
+    log_ratio = (new - behaviour) * 0.5  # some tokens and sequences above the cap, some below
+    weights, capped = gl.reinforce_weights(log_ratio, mask, 1.3, mode)
+    expected = t(trl_importance_weights(log_ratio, mask, mode, 1.3))
+    torch.testing.assert_close(weights * mask, expected * mask, rtol=1e-12, atol=1e-12)
+    assert 0 < (capped * mask).sum() < mask.sum()
+    # the loss's gradient is that weight times the advantage (and its stats say so)
+    ours_new = (behaviour + log_ratio).clone().requires_grad_()
+    loss, stats = gl.policy_loss(ours_new, behaviour, adv, mask, 5, ratio_cap=1.3, importance_sampling=mode)
+    loss.backward()
+    torch.testing.assert_close(ours_new.grad, -expected * adv[:, None] * mask / 5, rtol=1e-12, atol=1e-12)
+    assert stats["weight/max"].item() == pytest.approx((expected * mask).max().item())
+    with pytest.raises(ValueError, match="reinforce"):
+        gl.policy_loss(ours_new, behaviour, adv, mask, 5, loss_type="ppo_clip", importance_sampling="token_mask")
+
+
+def test_entropy_coef_without_entropy_is_an_error():
+    x = torch.zeros(1, 2)
+    with pytest.raises(ValueError, match="needs entropy"):
+        gl.policy_loss(x, x, torch.zeros(1), torch.ones(1, 2), 1, entropy_coef=0.1)
+
+
+# ----------------------------------------------------------------------------- TRL's GRPOTrainer itself
+TRL_LOSS = r"""
+import collections, json, sys, types
+import torch
+from trl.trainer.grpo_trainer import GRPOTrainer
+
+class Accelerator:  # one process
+    num_processes, sync_gradients = 1, True
+    def gather(self, x): return x
+    def reduce(self, x, reduction): return x
+
+results = []
+for case in json.load(sys.stdin):
+    f64 = lambda key: None if case[key] is None else torch.tensor(case[key], dtype=torch.float64)
+    logps = f64("logprobs").requires_grad_()
+    mask = f64("mask")
+    B, T = mask.shape
+    trainer = types.SimpleNamespace(
+        top_entropy_quantile=1.0, off_policy_mask_threshold=None, aux_loss_enabled=False,
+        importance_sampling_level=case["importance_sampling_level"], loss_type=case["loss_type"],
+        epsilon_low=case["epsilon"], epsilon_high=case["epsilon_high"], beta=case["beta"],
+        use_vllm=case["is_ratio"] is not None, vllm_importance_sampling_correction=case["is_ratio"] is not None,
+        max_completion_length=case["max_completion_length"], current_gradient_accumulation_steps=1,
+        model=types.SimpleNamespace(training=True), accelerator=Accelerator(), _entropy_bonus_enabled=False,
+        args=types.SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=1),
+        _metrics={"train": collections.defaultdict(list)},
+        _get_per_token_logps_and_entropies=lambda *args, **kwargs: (logps, torch.zeros_like(logps), None),
+    )
+    inputs = {
+        "prompt_ids": torch.zeros(B, 1, dtype=torch.long), "prompt_mask": torch.ones(B, 1, dtype=torch.long),
+        "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": mask,
+        "advantages": f64("advantages"), "old_per_token_logps": f64("old"), "ref_per_token_logps": f64("ref"),
+        "importance_sampling_ratio": f64("is_ratio"), "num_items_in_batch": mask.sum(),
+    }
+    loss = GRPOTrainer._compute_loss(trainer, None, inputs)
+    loss.backward()
+    results.append({"loss": loss.item(), "grad": logps.grad.tolist()})
+print(json.dumps(results))
+"""
+
+
+def trl116_python() -> str:
+    """TRL 1.16's environment: LMHPD_TRL116_PYTHON (tests/run.sh sets it), else made (or found) by trl_env.sh."""
+    if os.environ.get("LMHPD_TRL116_PYTHON"):
+        return os.environ["LMHPD_TRL116_PYTHON"]
+    made = subprocess.run(
+        ["bash", "benchmarks/trl_env.sh", ".venv-trl116", "1.16.0"],
+        capture_output=True, text=True, check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )  # fmt: skip
+    return made.stdout.strip().splitlines()[-1]
+
+
+def run_trl(cases: list[dict]) -> list[dict]:
+    """TRL 1.16's `GRPOTrainer._compute_loss` itself on each case, in its own environment (a subprocess): a trainer
+    stand-in holds the settings, its model's per-token logprobs are the case's."""
+    result = subprocess.run(
+        [trl116_python(), "-c", TRL_LOSS], input=json.dumps(cases), capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.splitlines()[-1])  # the last line: TRL prints notices of its own on import
+
+
+TRL_NORMALISERS = {"grpo": "sequence_mean", "bnpo": "tokens", "dr_grpo": "max_tokens", "dapo": "tokens"}
+
+
+def test_our_losses_are_trls_on_the_same_inputs():
+    """TRL's loss types (its normalisers) with PPO's ratio to older logprobs and a KL penalty; its truncated importance
+    sampling at one gradient step per batch (its ratio is then 1, its correction weighs the gradient: our reinforce);
+    GSPO (its importance_sampling_level sequence): loss and gradient, float64, against ours."""
+    new, behaviour, ref, adv, mask = _rows()
+    B = mask.shape[0]
+    log_ratio = new - behaviour
+    cases, ours = [], []
+    base = dict(logprobs=new.tolist(), mask=mask.tolist(), advantages=adv.tolist(), ref=None, is_ratio=None)
+    base |= dict(importance_sampling_level="token", epsilon=0.2, epsilon_high=0.28, beta=0.0, max_completion_length=8)
+    for loss_type, normalizer in TRL_NORMALISERS.items():  # PPO-clip against older logprobs, with a KL penalty
+        cases.append(base | dict(loss_type=loss_type, old=behaviour.tolist(), ref=ref.tolist(), beta=0.04))
+        options = dict(loss_type="ppo_clip", clip_eps=0.2, clip_eps_high=0.28, ref_logprobs=ref, kl_coef=0.04)
+        ours.append((normalizer, options))
+    for mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"):  # TIS at cap 1.3
+        is_ratio = trl_importance_weights(log_ratio, mask, mode, 1.3)
+        cases.append(base | dict(loss_type="dapo", old=None, is_ratio=is_ratio))
+        ours.append(("tokens", dict(ratio_cap=1.3, importance_sampling=mode)))
+    cases.append(base | dict(loss_type="grpo", importance_sampling_level="sequence", old=behaviour.tolist()))
+    ours.append(("sequence_mean", dict(loss_type="gspo", clip_eps=0.2, clip_eps_high=0.28)))
+    for (normalizer, options), case, trl in zip(ours, cases, run_trl(cases)):
+        ours_new = new.clone().requires_grad_()
+        weights = gl.token_weights(mask, normalizer, B, num_tokens=int(mask.sum()), max_tokens=8)
+        loss, _ = gl.policy_loss(ours_new, behaviour, adv, mask, B, weights=weights, **options)
+        loss.backward()
+        torch.testing.assert_close(ours_new.grad, t(trl["grad"]), rtol=1e-10, atol=1e-12, msg=str(case["loss_type"]))
+        if case["is_ratio"] is None:  # TRL's objective is ratio * A, ours for reinforce log pi * w * A: same gradient
+            assert loss.item() == pytest.approx(trl["loss"], rel=1e-10, abs=1e-12), case["loss_type"]
+        assert ours_new.grad.abs().max() > 0

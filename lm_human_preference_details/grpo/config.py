@@ -4,7 +4,9 @@ import copy
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
+
+import tyro
 
 from lm_human_preference_details.cli import UserError
 from lm_human_preference_details.grpo.protocol import MAX_CHOICES, MIN_TEMPERATURE, ServerDtype, WeightBackend
@@ -12,6 +14,96 @@ from lm_human_preference_details.tracking import RunArgs
 
 Mode = Literal["pipeline", "sync"]
 Engine = Literal["auto", "home", "vllm"]
+# the loss's options: grpo/loss.py's names, which this module cannot import (the launcher imports no torch); a test
+# keeps the two equal
+LossType = Literal["reinforce", "ppo_clip", "gspo"]
+ImportanceSampling = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+Normalizer = Literal["sequences", "sequence_mean", "tokens", "max_tokens", "group_tokens"]
+RecipeName = Literal["default", "pipelinerl", "dr_grpo", "dapo"]
+LOSS_FIELDS = (
+    "loss_type",
+    "ratio_cap",
+    "importance_sampling",
+    "clip_eps",
+    "clip_eps_high",
+    "baseline",
+    "divide_by_std",
+    "std_over",
+    "use_advantages",
+    "relu_policy_weights",
+    "loss_normalizer",
+    "overlong_filtering",
+    "kl_coef",
+    "kl_coef_final",
+    "kl_clamp",
+    "entropy_coef",
+    "entropy_coef_final",
+)
+"""the `GRPOArgs` fields a recipe sets"""
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A peer's loss settings: where they come from, and the `GRPOArgs` loss fields (`LOSS_FIELDS`) that it sets
+    otherwise than this project's defaults (it resets every other one to its default)."""
+
+    source: str
+    settings: dict[str, object]
+
+
+RECIPES: dict[str, Recipe] = {
+    "default": Recipe(
+        "this project's: PipelineRL's paper (arXiv 2509.19128), whose weight cap is 5, with the group-mean "
+        "baseline and the KL clamp of its RLConfig (10); what stage 3 was tuned and tested with",
+        {},
+    ),
+    "pipelinerl": Recipe(
+        "PipelineRL's conf/finetune/base.yaml at 58d3934: reinforce with epsilon_high 0.02, "
+        "clamp_log_ratio_ref_new_value 5, kl_coef = final_kl_coef = 0, entropy_bonus 0, no std division, and "
+        "populate_rl_data's leave-one-out baseline",
+        {"baseline": "leave_one_out", "ratio_cap": 1.02, "kl_clamp": 5.0},
+    ),
+    "dr_grpo": Recipe(
+        "Dr. GRPO (arXiv 2503.20783) as TRL's GRPOTrainer runs it: loss_type dr_grpo (a constant normaliser), "
+        "scale_rewards none, PPO's clip 0.2, beta 0",
+        {"loss_type": "ppo_clip", "loss_normalizer": "max_tokens"},
+    ),
+    "dapo": Recipe(
+        "DAPO (arXiv 2503.14476) as TRL's GRPOTrainer runs it: loss_type dapo (token-level), epsilon 0.2 and "
+        "epsilon_high 0.28, scale_rewards group, mask_truncated_completions (overlong filtering), beta 0",
+        {
+            "loss_type": "ppo_clip",
+            "clip_eps_high": 0.28,
+            "divide_by_std": True,
+            "loss_normalizer": "tokens",
+            "overlong_filtering": True,
+        },
+    ),
+}
+
+
+def settings_as_flags(settings: dict[str, object]) -> list[str]:
+    """Command-line flags that set these fields (tyro's spelling: `--no-NAME` for a false bool)."""
+    spelled = []
+    for name, value in settings.items():
+        flag = name.replace("_", "-")
+        if isinstance(value, bool):
+            spelled.append(f"--{flag}" if value else f"--no-{flag}")
+        else:
+            spelled += [f"--{flag}", str(value)]
+    return spelled
+
+
+def recipes_help() -> str:
+    """`--recipe`'s help: each recipe's flags and where they come from."""
+    return (
+        "a peer's loss settings in one flag: it sets every loss option (the ones below it), in its place on the "
+        "command line, so flags after it override it. "
+        + "; ".join(
+            f"`{name}`: {' '.join(settings_as_flags(r.settings)) or 'the defaults'}, {r.source}"
+            for name, r in RECIPES.items()
+        )
+    )
 
 
 def gpu_visible() -> bool:
@@ -83,20 +175,59 @@ class GRPOArgs(RunArgs):
     """Adam epsilon"""
     grad_clip: float = 0.3
     """max global gradient norm (PipelineRL: 0.3)"""
-    loss_type: Literal["reinforce", "ppo_clip"] = "reinforce"
-    """`reinforce`: importance ratio pi/mu capped above (PipelineRL); `ppo_clip`: PPO's clipped ratio"""
+    recipe: Annotated[RecipeName, tyro.conf.arg(help=recipes_help())] = "default"
+    loss_type: LossType = "reinforce"
+    """`reinforce`: importance ratio pi/mu capped above (PipelineRL's; also TRL's loss with truncated importance
+    sampling at one gradient step per batch); `ppo_clip`: PPO's clipped ratio (PipelineRL's `ppo`, TRL's); `gspo`:
+    the clipped ratio of whole sequences (GSPO; PipelineRL's `gspo`, TRL's importance_sampling_level=sequence)"""
     ratio_cap: float = 5.0
-    """upper cap of the importance ratio for `reinforce` (PipelineRL paper: 5)"""
+    """upper cap of the importance ratio for `reinforce` (PipelineRL paper: 5; PipelineRL's code: 1 + epsilon_high,
+    1.02 in its base.yaml; TRL's vllm_importance_sampling_clip_max: 3)"""
+    importance_sampling: ImportanceSampling = "token_truncate"
+    """`reinforce`'s weight (TRL's vllm_importance_sampling_mode, whose default is sequence_mask): the ratio capped
+    (`*_truncate`, PipelineRL's) or 0 above the cap (`*_mask`), per token or per sequence (its ratio: the product
+    over its tokens)"""
     clip_eps: float = 0.2
-    """PPO clip range for `ppo_clip`: the ratio is clipped to [1 - clip_eps, 1 + clip_eps_high]"""
+    """PPO clip range for `ppo_clip` and `gspo`: the ratio is clipped to [1 - clip_eps, 1 + clip_eps_high]
+    (PipelineRL's epsilon_low; TRL's epsilon: 0.2)"""
     clip_eps_high: float | None = None
-    """`ppo_clip`'s epsilon above 1 (None: clip_eps; PipelineRL's epsilon_high; DAPO's clip-higher uses 0.28)"""
+    """epsilon above 1 for `ppo_clip` and `gspo` (None: clip_eps; PipelineRL's epsilon_high; TRL's epsilon_high;
+    DAPO's clip-higher uses 0.28)"""
     baseline: Literal["mean", "leave_one_out"] = "mean"
-    """group baseline: the group mean, or the mean of the other attempts"""
+    """group baseline: the group mean (GRPO; TRL), or the mean of the other attempts (RLOO; PipelineRL since its
+    commit 4988fe8)"""
     divide_by_std: bool = False
-    """divide advantages by the group's reward std (GRPO paper; PipelineRL: off)"""
+    """divide advantages by the std of the rewards (GRPO paper; TRL's scale_rewards group/batch, its default group;
+    PipelineRL's divide_advantage_by_std, off in its base.yaml)"""
+    std_over: Literal["group", "batch"] = "group"
+    """with `divide_by_std`, the rewards whose std divides: the group's or the whole batch's (TRL's scale_rewards)"""
+    use_advantages: bool = True
+    """weigh log pi by the advantage; off: by the raw reward, no baseline (PipelineRL's use_advantages)"""
+    relu_policy_weights: bool = False
+    """clamp those weights below at 0: only better-than-baseline attempts are reinforced (PipelineRL's
+    relu_log_p_weights)"""
+    loss_normalizer: Normalizer = "sequences"
+    """what the token sum of the loss is divided by: `sequences` in the batch (PipelineRL's 1 / batch_size);
+    `sequence_mean`, each sequence's mean over its tokens (TRL's loss_type grpo); `tokens` in the batch (TRL's
+    dapo, its default; bnpo with one micro-batch); `max_tokens` x sequences (TRL's dr_grpo); `group_tokens`, the
+    mean prompt + completion length of the token's group, not the batch size (PipelineRL's group_normalization)"""
+    overlong_filtering: bool = False
+    """completions cut by --max-tokens (finish_reason `length`) get no gradient; they still count as sequences,
+    not as tokens (PipelineRL's overlong_filtering; TRL's mask_truncated_completions)"""
     kl_coef: float = 0.0
-    """k3 KL penalty to the initial policy (0: no reference model)"""
+    """k3 KL penalty to the initial policy (0 with kl_coef_final 0: no reference model; PipelineRL's kl_coef, 0 in
+    its base.yaml; TRL's beta, default 0)"""
+    kl_coef_final: float | None = None
+    """the KL coefficient at the last step, reached linearly from kl_coef (None: kl_coef throughout; PipelineRL's
+    final_kl_coef, kl_coef in its base.yaml)"""
+    kl_clamp: float = 10.0
+    """bound on |log ref - log pi| in the k3 penalty (PipelineRL's clamp_log_ratio_ref_new_value: 10 in RLConfig,
+    5 in its base.yaml; TRL has none)"""
+    entropy_coef: float = 0.0
+    """entropy bonus added to the per-token objective (PipelineRL's entropy_bonus, 0 in its base.yaml)"""
+    entropy_coef_final: float | None = None
+    """the entropy bonus at the last step, reached linearly (None: entropy_coef throughout; PipelineRL's
+    final_entropy_bonus)"""
     token_budget: int = 4096
     """tokens per forward/backward micro-batch: its prompts once each, padded to the longest prompt, plus
     its completions, padded to the longest completion (a group over it is split; the prompts' keys and
@@ -155,6 +286,15 @@ class GRPOArgs(RunArgs):
     request_timeout_s: float = 300.0
     """a completion request taking longer is retried on another server; with no usable server for this long, the actor
     fails the run"""
+
+    @classmethod
+    def recipe_flags(cls, name: str) -> list[str]:
+        """The flags `--recipe NAME` stands for (`cli.parse` puts them right after it): every loss field, at the
+        recipe's value or else its default. A UserError for an unknown recipe."""
+        if name not in RECIPES:
+            raise UserError(f"--recipe {name!r} is unknown; choose one of {', '.join(RECIPES)}")
+        defaults = cls()
+        return settings_as_flags({field: getattr(defaults, field) for field in LOSS_FIELDS} | RECIPES[name].settings)
 
     def server_engine(self) -> Literal["home", "vllm"]:
         """`engine` with `auto` resolved: vLLM where its environment holds the GPU build and a GPU is visible, else
@@ -234,8 +374,11 @@ class GRPOArgs(RunArgs):
         """Sizes that must fit together; a UserError names the field and the fix."""
         if self.batch_size < self.group_size:
             raise UserError(f"--batch-size {self.batch_size} must be at least --group-size {self.group_size}")
-        if self.group_size < 2:
-            raise UserError(f"--group-size {self.group_size}: a group needs at least 2 attempts")
+        if self.group_size < 1 or self.group_size < 2 and self.use_advantages:
+            raise UserError(
+                f"--group-size {self.group_size}: a group needs at least 2 attempts (one is its own baseline, "
+                "advantage 0, as in PipelineRL; --no-use-advantages trains on the rewards, in groups of any size)"
+            )
         if self.batch_size % self.group_size:
             raise UserError(f"--batch-size {self.batch_size} must be a multiple of --group-size {self.group_size}")
         for name in (
@@ -254,7 +397,7 @@ class GRPOArgs(RunArgs):
             raise UserError(
                 f"--temperature must be a finite number >= {MIN_TEMPERATURE} (sampling only), got {self.temperature}"
             )
-        for name in ("lr", "ratio_cap", "clip_eps", "grad_clip", "request_timeout_s"):
+        for name in ("lr", "ratio_cap", "clip_eps", "kl_clamp", "grad_clip", "request_timeout_s"):
             if getattr(self, name) <= 0:
                 raise UserError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         if self.clip_eps_high is not None and not self.clip_eps_high > 0:
@@ -262,6 +405,16 @@ class GRPOArgs(RunArgs):
         for name in ("kl_coef", "save_interval", "update_bucket_mb", "threads", "problems_per_request", "num_problems"):
             if getattr(self, name) < 0:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.kl_coef_final is not None and not self.kl_coef_final >= 0:
+            raise UserError(f"--kl-coef-final must be >= 0 (or None: --kl-coef throughout), got {self.kl_coef_final}")
+        for name in ("entropy_coef", "entropy_coef_final"):
+            if getattr(self, name) is not None and not math.isfinite(getattr(self, name)):
+                raise UserError(f"--{name.replace('_', '-')} must be a finite number, got {getattr(self, name)}")
+        if self.importance_sampling != "token_truncate" and self.loss_type != "reinforce":
+            raise UserError(
+                f"--importance-sampling {self.importance_sampling} weighs --loss-type reinforce's gradient; "
+                f"{self.loss_type} clips its ratio instead: pass --loss-type reinforce, or leave --importance-sampling"
+            )
         if self.groups_per_step() % self.request_problems():
             raise UserError(
                 f"--problems-per-request {self.problems_per_request} must divide the {self.groups_per_step()} "

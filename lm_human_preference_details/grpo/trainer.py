@@ -4,11 +4,14 @@ then pushes the new weights into the inference servers.
     for step = 1 .. steps:
         read batch_size / group_size groups from the stream (waiting if the actor is behind;
         sync mode waits for the whole round of `sync_steps` batches, as conventional RL does)
-        advantages: reward - group mean (option: leave-one-out, / std)
+        advantages: reward - group mean (options: leave-one-out, / std of the group or the batch; the raw
+        rewards instead, relu)
         pack the groups into micro-batches of at most `token_budget` tokens (a group's prompt
         goes through the model once, its attempts share its keys and values)
-        loss: REINFORCE with the importance ratio pi/mu capped above (or PPO-clip), optional k3 KL,
-              summed over tokens and divided by the number of sequences; backward per micro-batch
+        loss: REINFORCE with the importance ratio pi/mu capped above (or PPO-clip, or GSPO), optional k3 KL
+              and entropy bonus (their coefficients on a linear schedule), summed over tokens and divided by the
+              number of sequences (or TRL's and PipelineRL's other normalisers; `--recipe` sets them all);
+              completions cut by the length limit optionally left out; backward per micro-batch
         clip the gradient norm, optimizer step, version += 1
         pipeline: push the weights to every server now (sent while the next step runs); sync: every
         `sync_steps` steps
@@ -37,7 +40,15 @@ from lm_human_preference_details import checkpoint, cli
 from lm_human_preference_details.grpo.client import check_serving
 from lm_human_preference_details.grpo.config import PRESETS, GRPOArgs, get_preset
 from lm_human_preference_details.grpo.lifetime import exit_now
-from lm_human_preference_details.grpo.loss import effective_sample_size, group_advantages, policy_loss
+from lm_human_preference_details.grpo.loss import (
+    effective_sample_size,
+    group_advantages,
+    linear_decay,
+    policy_loss,
+    policy_weights,
+    reinforce_weights,
+    token_weights,
+)
 from lm_human_preference_details.grpo.streams import open_reader
 from lm_human_preference_details.grpo.weights import WeightSender, served_dtype
 from lm_human_preference_details.models import load_causal_lm
@@ -110,12 +121,14 @@ def batch_tensors(groups: list[dict], parts: list[Part], device) -> dict[str, to
     return {k: v.to(device) for k, v in tensors.items()}
 
 
-def token_logprobs(model, batch: dict, temperature: float, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logprobs(
+    model, batch: dict, temperature: float, vocab_size: int, entropy_grad: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprobs of each completion token at the sampling temperature (rows, completion length) and
-    the entropy of each next-token distribution, logits restricted to the tokenizer's ids as the
-    server's are. A group's prompt goes through the model once, not once per attempt: its keys and
-    values are shared by the group's rows (gradients flow back through both passes), the same
-    numbers as a forward of each prompt + completion, for a fraction of the work when completions are short."""
+    the entropy of each next-token distribution (detached unless `entropy_grad`: an entropy bonus), logits
+    restricted to the tokenizer's ids as the server's are. A group's prompt goes through the model once, not once
+    per attempt: its keys and values are shared by the group's rows (gradients flow back through both passes), the
+    same numbers as a forward of each prompt + completion, for a fraction of the work when completions are short."""
     # of the prompt positions only the last predicts a completion token: the output layer sees only it
     last_prompt_position = (batch["prompt_lengths"] - 1)[:, None]
     prompt = model(
@@ -139,8 +152,9 @@ def token_logprobs(model, batch: dict, temperature: float, vocab_size: int) -> t
     # bf16 logits are upcast for the softmax; a float64 model's stay float64
     logprobs = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, dim=-1)
     taken = logprobs.gather(2, batch["completion_ids"][..., None])[..., 0]
-    entropy = -(logprobs.exp() * logprobs).sum(-1)
-    return taken, entropy.detach()
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):  # else no vocabulary-wide graph kept
+        entropy = -(logprobs.exp() * logprobs).sum(-1)
+    return taken, entropy
 
 
 def check_group(group: dict, args: GRPOArgs) -> None:
@@ -171,48 +185,119 @@ def flatten_groups(groups: list[dict]) -> list[dict]:
     ]
 
 
+def coefficients(args: GRPOArgs, step: int) -> tuple[float, float]:
+    """The KL coefficient and the entropy bonus of the step after `step` completed ones: each goes linearly from
+    its value to its `_final` one (None: it stays) over the run's steps, as PipelineRL's schedules do."""
+    kl_final = args.kl_coef if args.kl_coef_final is None else args.kl_coef_final
+    entropy_final = args.entropy_coef if args.entropy_coef_final is None else args.entropy_coef_final
+    return (
+        linear_decay(step, args.steps, args.kl_coef, kl_final),
+        linear_decay(step, args.steps, args.entropy_coef, entropy_final),
+    )
+
+
+def loss_rows(groups: list[dict], args: GRPOArgs, rewards: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per sample, in `flatten_groups` order: `policy_weights`, what multiplies its log pi (its advantage, or
+    reward); `kept`, 0 where overlong filtering leaves it out (finish_reason `length`); `group_tokens`, its
+    group's mean prompt + completion length (PipelineRL's group normalisation)."""
+    advantages = group_advantages(rewards, args.group_size, args.baseline, args.divide_by_std, std_over=args.std_over)
+    samples = flatten_groups(groups)
+    cut = [args.overlong_filtering and s.get("finish_reason") == "length" for s in samples]
+    # PipelineRL: pipelinerl/finetune/rl/__init__.py#L473, the mean over the group of its sequences' lengths
+    group_tokens = [
+        len(g["prompt_ids"]) + sum(len(a["completion_ids"]) for a in g["attempts"]) / len(g["attempts"])
+        for g in groups
+        for _ in g["attempts"]
+    ]
+    return {
+        "policy_weights": policy_weights(advantages, rewards, args.use_advantages, args.relu_policy_weights),
+        "kept": torch.tensor([0.0 if c else 1.0 for c in cut]),
+        "group_tokens": torch.tensor(group_tokens),
+    }
+
+
 def accumulate_gradients(
-    model, reference, groups: list[dict], rewards: torch.Tensor, args: GRPOArgs, vocab_size: int
+    model, reference, groups: list[dict], rewards: torch.Tensor, args: GRPOArgs, vocab_size: int, step: int = 0
 ) -> dict[str, float]:
     """One optimizer step's gradients, added into the parameters' `.grad` micro-batch by micro-batch (`pack`):
-    the gradient of the whole step's loss (summed over its tokens, divided by its number of sequences),
-    however the groups are packed. `rewards`: one per sample, in `flatten_groups` order. Returns the step's
-    stats: `policy_loss`'s as token-weighted means, the entropy, and over all its tokens the ratio max and the ESS."""
+    the gradient of the whole step's loss (summed over its tokens, divided by its number of sequences or
+    `loss_normalizer`'s count), however the groups are packed. `rewards`: one per sample, in `flatten_groups` order;
+    `step`: optimizer steps completed before this one (where the KL and entropy schedules are). Returns the step's
+    stats: `policy_loss`'s as token-weighted means, the entropy, the coefficients, and over all its tokens the
+    maxima and the ESS of the raw ratio and of the capped weight."""
     num_sequences = len(rewards)
-    advantages = group_advantages(rewards, args.group_size, args.baseline, args.divide_by_std).to(model.device)
+    rows = {k: v.to(model.device) for k, v in loss_rows(groups, args, rewards).items()}
+    kept_tokens = sum(len(s["completion_ids"]) for s, k in zip(flatten_groups(groups), rows["kept"].tolist()) if k)
+    kl_coef, entropy_coef = coefficients(args, step)
     stats_sum: dict[str, float] = {}
-    entropy_sum = tokens = 0.0
-    ratios = []  # pi/mu of every completion token: its max and ESS are over the whole batch
+    entropy_sum = tokens = tokens_in_loss = 0.0
+    # pi/mu and the capped weight of every completion token: their max and ESS are over the batch
+    ratios, capped_weights = [], []
     for indices in pack(groups, args.token_budget):
         batch = batch_tensors(groups, indices, model.device)
-        new_logprobs, entropy = token_logprobs(model, batch, args.temperature, vocab_size)
+        new_logprobs, entropy = token_logprobs(
+            model, batch, args.temperature, vocab_size, entropy_grad=entropy_coef != 0
+        )
         ref_logprobs = token_logprobs(reference, batch, args.temperature, vocab_size)[0].detach() if reference else None
+        mask = batch["mask"] * rows["kept"][batch["rows"], None]
         loss, stats = policy_loss(
             new_logprobs,
             batch["behaviour"],
-            advantages[batch["rows"]],
-            batch["mask"],
+            rows["policy_weights"][batch["rows"]],
+            mask,
             num_sequences=num_sequences,
             loss_type=args.loss_type,
             ratio_cap=args.ratio_cap,
             clip_eps=args.clip_eps,
             clip_eps_high=args.clip_eps_high,
             ref_logprobs=ref_logprobs,
-            kl_coef=args.kl_coef,
+            kl_coef=kl_coef,
+            kl_clamp=args.kl_clamp,
+            entropy=entropy,
+            entropy_coef=entropy_coef,
+            importance_sampling=args.importance_sampling,
+            weights=None
+            if args.loss_normalizer == "sequences"
+            else token_weights(
+                mask,
+                args.loss_normalizer,
+                num_sequences,
+                num_tokens=kept_tokens,
+                max_tokens=args.max_tokens,
+                group_tokens=rows["group_tokens"][batch["rows"]],
+            ),
         )
         loss.backward()
-        n = float(batch["mask"].sum())
+        n = float(mask.sum())
         for k, v in stats.items():  # token-weighted means over the micro-batches
             stats_sum[k] = stats_sum.get(k, 0.0) + float(v) * n
-        entropy_sum += float((entropy * batch["mask"]).sum())
-        ratios.append((new_logprobs.detach() - batch["behaviour"]).exp()[batch["mask"].bool()])
-        tokens += n
+        entropy_sum += float((entropy.detach() * batch["mask"]).sum())
+        on_tokens = batch["mask"].bool()
+        log_ratio = new_logprobs.detach() - batch["behaviour"]
+        ratios.append(log_ratio.exp()[on_tokens])
+        if args.loss_type == "reinforce":
+            capped_weights.append(
+                reinforce_weights(log_ratio, batch["mask"], args.ratio_cap, args.importance_sampling)[0][on_tokens]
+            )
+        tokens += float(batch["mask"].sum())
+        tokens_in_loss += n
     ratios = torch.cat(ratios)
-    return {
-        **{k: v / tokens for k, v in stats_sum.items()},
-        "entropy": entropy_sum / tokens,
+    batch_wide = {
         "ratio/max": ratios.max().item(),
         "ess": effective_sample_size(ratios, torch.ones_like(ratios)).item(),
+    }
+    if capped_weights:
+        capped = torch.cat(capped_weights)
+        batch_wide |= {
+            "weight/max": capped.max().item(),
+            "weight/ess": effective_sample_size(capped, torch.ones_like(capped)).item(),
+        }
+    return {
+        **{k: v / max(tokens_in_loss, 1.0) for k, v in stats_sum.items()},  # a batch all cut by overlong filtering: 0
+        "entropy": entropy_sum / tokens,
+        "kl/coef": kl_coef,
+        "entropy/coef": entropy_coef,
+        **batch_wide,
     }
 
 
@@ -236,7 +321,7 @@ def train(args: GRPOArgs, wait_for_servers: Callable[[], list[str]]) -> None:
         timer.training()
         samples = flatten_groups(groups)
         rewards = torch.tensor([s["reward"] for s in samples])
-        stats = accumulate_gradients(model, learner.reference, groups, rewards, args, learner.vocab_size)
+        stats = accumulate_gradients(model, learner.reference, groups, rewards, args, learner.vocab_size, step=version)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -254,7 +339,7 @@ def train(args: GRPOArgs, wait_for_servers: Callable[[], list[str]]) -> None:
 
 @dataclass
 class Learner:
-    """What a run trains from: the policy, the frozen reference (None without `kl_coef`), the tokenizer, the
+    """What a run trains from: the policy, the frozen reference (None without a KL coefficient), the tokenizer, the
     optimizer, and where a resumed run takes up (its version, its place in the stream)."""
 
     model: torch.nn.Module
@@ -276,15 +361,18 @@ def load_learner(args: GRPOArgs) -> Learner:
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = load_tokenizer(args.model)
-    reference = load_causal_lm(args.model).requires_grad_(False).to(device) if args.kl_coef else None
+    with_reference = args.kl_coef or args.kl_coef_final  # a KL schedule from 0 needs it too
+    reference = load_causal_lm(args.model).requires_grad_(False).to(device) if with_reference else None
     state = checkpoint_state(args) if args.resume else {"version": 0, "stream_position": 0}
     model = load_causal_lm(checkpoint_model(args.output_dir) if args.resume else args.model).to(device)
     optimizer = make_optimizer(args.optimizer, model.parameters(), lr=args.lr, eps=args.adam_eps)
     if args.resume:
         # onto the CPU first (a checkpoint saved on a GPU resumes without one); load_state_dict moves each
         # state to its parameter's device
+        folder = checkpoint.folder(args.output_dir)
+        path = os.path.join(folder, "optimizer.pt")
         optimizer.load_state_dict(
-            torch.load(os.path.join(checkpoint.folder(args.output_dir), "optimizer.pt"), map_location="cpu")
+            checkpoint.load_or_explain(path, checkpoint.load_onto_cpu, checkpoint.damaged(folder))
         )
     return Learner(model, reference, tokenizer, optimizer, state["version"], state["stream_position"])
 
@@ -468,8 +556,9 @@ def checkpoint_state(args: GRPOArgs) -> dict:
     path = checkpoint.state_file(folder, "state.json")
     if path is None:
         raise cli.UserError(f"--resume: no checkpoint in {args.output_dir} (none saved yet? see --save-interval)")
-    with open(path) as f:
-        state = json.load(f)
+    state = checkpoint.load_or_explain(path, checkpoint.read_json, checkpoint.damaged(folder))
+    # the servers load the model folder: a damaged one is refused here, before any of them starts
+    checkpoint.check_weights(checkpoint_model(args.output_dir), checkpoint.damaged(folder))
     checkpoint.check_same_settings(state.get("settings"), checkpoint.settings(args), MAY_CHANGE_ON_RESUME, folder)
     return state
 

@@ -15,6 +15,17 @@ lag), and a second table compares each sync schedule with the fastest pipeline r
 Then the weight update itself for each of `--update-models`: a server generating at full batch, the
 trainer's broadcast (announce, then one broadcast per tensor or per bucket, until received) and the
 server's pause (decoding stopped for the swap), median over `--updates` updates each way.
+With `--engines home vllm`, vLLM's servers (`grpo.launch --engine vllm`) join: a `pipeline, vLLM` row and a
+`sync G=<first>, vLLM` row (the home rows then pass `--engine home`: on a GPU `auto` would pick vLLM), and each
+model's weight update on a vLLM server.
+
+`--generation-tasks tiny arith` adds a table of generation alone, per preset and engine: one server with every core
+(the preset's model and server batch) gets `--generation-requests` completion requests shaped as the actor's (the
+preset's prompts, `request_problems()` of them per request, n = group size, `--generation-tokens` tokens each past
+EOS, the preset's temperature), `--generation-in-flight` at a time over HTTP, after one untimed request: samples/s
+and tokens/s. With vLLM compared, a limit row: vLLM's offline `LLM.generate` of the same prompts, all at once
+(benchmarks/vllm_generate.py, its engine built from the server's own engine arguments, environment and sampling),
+and each row's limit / this: what the HTTP server, its request handling and the client's feeding cost.
 
 Throughput is samples trained / trainer wall time from its first wait for data to its last step.
 A row `raw compute (one process)` times what a step must compute, alone: sampling the step's
@@ -28,6 +39,7 @@ servers share them); the raw and TRL rows, one process each, use torch's default
 `--device cuda` runs every process on the GPU (benchmarks/gpu.sh); `cpu`, the default, hides any GPU.
 """
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -37,7 +49,9 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Literal
 
 import tyro
 
@@ -104,6 +118,19 @@ class Args:
     raw_row: bool = True
     """also time the raw compute of a step (`raw_step_times`: sampling, scoring, forward, backward and
     optimizer step in one process, nothing else) as a row"""
+    engines: list[Literal["home", "vllm"]] = field(default_factory=lambda: ["home"])
+    """the inference engines compared (`grpo.launch --engine`): `vllm` adds a pipeline row and a sync row (the first
+    G) on vLLM's servers, vLLM's weight updates and, in the generation table, vLLM's server and its offline limit"""
+    generation_tasks: list[str] = field(default_factory=list)
+    """presets whose model and prompts the generation table serves (e.g. `tiny arith`: arith's model is
+    SmolLM2-135M-Instruct); empty: no generation table"""
+    generation_tokens: int = 24
+    """generation table: tokens of each completion (sampled past EOS)"""
+    generation_requests: int = 8
+    """generation table: completion requests timed per row, after one untimed request"""
+    generation_in_flight: int = 0
+    """generation table: requests in flight at a time; 0: the preset's `max_in_flight`, as the actor keeps them (fewer
+    than fill the server's batch would time the client's feeding, not the server)"""
     role: str = "main"
     """internal: `raw` or `trl` runs that row in this process and writes --result"""
     result: str = ""
@@ -118,9 +145,18 @@ def schedules(args: Args) -> list[tuple[str, list[str]]]:
     # after the established rows: a run that is stopped early keeps those
     ahead = [pipeline_ahead(settings, n) for n in args.pipeline_steps_ahead if n != settings.steps_ahead]
     sync = [(f"sync G={g}", ["--mode", "sync", "--sync-steps", str(g)]) for g in args.sync_steps]
+    vllm = [(f"{name}, vLLM", [*flags, "--engine", "vllm"]) for name, flags in (pipeline[0], sync[0])]
     if args.one_thread_row:
         sync.append((f"sync G={args.sync_steps[0]}, one thread per process", [*sync[0][1], "--threads", "1"]))
-    return pipeline + sync + ahead
+    if "vllm" not in args.engines:
+        return pipeline + sync + ahead
+    # the home rows say so: on a GPU `auto` picks vLLM
+    return [(name, [*flags, "--engine", "home"]) for name, flags in pipeline + sync + ahead] + vllm
+
+
+def row_engine(name: str) -> str:
+    """The engine of a schedule's row (`schedules` names vLLM's)."""
+    return "vllm" if name.endswith(", vLLM") else "home"
 
 
 def pipeline_ahead(settings, steps_ahead: float) -> tuple[str, list[str]]:
@@ -265,22 +301,39 @@ def scaling(args: Args) -> list[dict]:
     return rows
 
 
-def time_weight_updates(model: str, updates: int, bucket_mb: float, device: Device, log_path: str) -> dict:
-    """A real server generating at full batch; the trainer side pushes 2 x `updates` new versions, in buckets of
-    `bucket_mb` MiB and one broadcast per tensor by turns (the first, bucketed, warms up: medians are taken)."""
+@contextlib.contextmanager
+def served(settings, engine: Literal["home", "vllm"], folder: str, device: Device) -> Iterator[str]:
+    """A server of `engine` for `settings` (`GRPOArgs`), started as the launcher starts one (`ServerEngine`, with
+    `server_flags`), its log and vLLM's caches in `folder`: its URL, until the block ends."""
+    from lm_human_preference_details.grpo.launch import ServerEngine, server_flags
+
+    starter = ServerEngine(engine, folder)
+    flags = server_flags(settings, starter.model_for_servers(settings.model), version=0, i=0)
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "server.log"), "wb") as log:  # the child keeps its own handle
+        server_process = starter.start(0, flags, log, device_env(device))
+    try:
+        yield server_process.wait_until_serving()
+    finally:
+        server_process.process.terminate()
+        server_process.process.wait(timeout=60)
+        starter.cleanup()
+
+
+def time_weight_updates(
+    model: str, engine: Literal["home", "vllm"], updates: int, bucket_mb: float, device: Device, folder: str
+) -> dict:
+    """A real server of `engine` generating at full batch; the trainer side pushes 2 x `updates` new versions, in
+    buckets of `bucket_mb` MiB and one broadcast per tensor by turns (the first, bucketed, warms up: medians are
+    taken)."""
     import torch
 
-    from lm_human_preference_details.grpo.client import ServerProcess, request_json
+    from lm_human_preference_details.grpo.client import request_json
+    from lm_human_preference_details.grpo.config import GRPOArgs
     from lm_human_preference_details.grpo.weights import WeightSender, buckets, parameter_specs, served_dtype
     from lm_human_preference_details.models import load_causal_lm
 
-    with open(log_path, "wb") as log:  # the child keeps its own handle
-        server_process = ServerProcess(
-            ["--model", model, "--threads", "1", "--max-batch-size", "16"], log, env=device_env(device)
-        )
-    server = server_process.process
-    try:
-        url = server_process.wait_until_serving()
+    with served(GRPOArgs(model=model, threads=1, server_batch_size=16), engine, folder, device) as url:
         trainer_model = load_causal_lm(model).to(device)
         server_dtype = served_dtype(url)  # bf16 on a GPU; the trainer sends it so too
         sender = WeightSender([url])
@@ -317,11 +370,9 @@ def time_weight_updates(model: str, updates: int, bucket_mb: float, device: Devi
             "bucket_mb": bucket_mb,
             "broadcasts_bucketed": len(buckets(specs, int(bucket_mb * 2**20))),
             **timed,
+            "engine": engine,
             "generated_tokens_meanwhile": metrics["generated_tokens"],
         }
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
 
 
 def _keep_generating(url: str, stop: threading.Event) -> None:
@@ -341,6 +392,108 @@ def _keep_generating(url: str, stop: threading.Event) -> None:
     with ThreadPoolExecutor(4) as pool:
         for _ in range(4):
             pool.submit(one)
+
+
+GENERATION_REQUEST_TIMEOUT_S = 600  # a 135M model's requests took over 2 minutes on the busy 2-core CPU
+
+
+def generation_settings(task: str):
+    """The `GRPOArgs` of a generation row: the preset's, in `sync` mode, whose share of the cores for a server is
+    all of them (the launcher's thread setting for a server that has the machine to itself)."""
+    from lm_human_preference_details import cli
+    from lm_human_preference_details.grpo.config import GRPOArgs, get_preset
+
+    return cli.parse(GRPOArgs, get_preset, task, argv=["--task", task, "--mode", "sync"])
+
+
+def generation_prompts(settings, requests: int) -> list[list[str]]:
+    """The prompts of `requests` completion requests as the actor makes them (`actor._complete`): the preset's
+    problems in order, `request_problems()` per request."""
+    from lm_human_preference_details.grpo.rewards import load_task_problems
+
+    problems, per_request = load_task_problems(settings), settings.request_problems()
+    return [
+        [problems[k % len(problems)].prompt for k in range(first, first + per_request)]
+        for first in range(0, requests * per_request, per_request)
+    ]
+
+
+def generation_shape(args: Args, task: str, settings) -> dict:
+    """What every row of `task` in the generation table generates (the limit's too)."""
+    return {
+        "task": task,
+        "model": settings.model,
+        "requests": args.generation_requests,
+        "prompts_per_request": settings.request_problems(),
+        "n": settings.group_size,
+        "max_tokens": args.generation_tokens,
+        "in_flight": args.generation_in_flight or settings.max_in_flight,
+    }
+
+
+def time_generation(args: Args, task: str, engine: Literal["home", "vllm"]) -> dict:
+    """Generation alone: a server of `engine` for `task`'s preset gets `generation_requests` completion requests
+    shaped as the actor's, `in_flight` at a time over HTTP, after one untimed request (the first prompts; the timed
+    requests take the ones after); samples/s and tokens/s from the first timed request sent to the last answered."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from lm_human_preference_details.grpo.client import request_json
+
+    settings = generation_settings(task)
+    shape = generation_shape(args, task, settings)
+    warm_up, *timed = generation_prompts(settings, 1 + args.generation_requests)
+    folder = os.path.join(args.out_dir, "generation", task, engine)
+    with served(settings, engine, folder, args.device) as url:
+
+        def complete(prompts: list[str]) -> dict:  # the actor's request (`actor._complete`), every sample full length
+            sampling = {"max_tokens": args.generation_tokens, "temperature": settings.temperature}
+            payload = {"prompt": prompts, **sampling, "n": settings.group_size, "ignore_eos": True}
+            return request_json("POST", f"{url}/v1/completions", payload, timeout_s=GENERATION_REQUEST_TIMEOUT_S)
+
+        complete(warm_up)
+        start = time.perf_counter()
+        with ThreadPoolExecutor(shape["in_flight"]) as pool:
+            replies = list(pool.map(complete, timed))
+        seconds = time.perf_counter() - start
+        metrics = request_json("GET", f"{url}/metrics")
+    choices = [choice for reply in replies for choice in reply["choices"]]
+    tokens = sum(len(c["token_ids"]) for c in choices)
+    return {
+        **shape,
+        "engine": engine,
+        "sequences": len(choices),
+        "tokens": tokens,
+        "seconds": seconds,
+        "samples_per_s": len(choices) / seconds,
+        "tokens_per_s": tokens / seconds,
+        "decode_batch_mean": metrics["decode_batch_mean"],  # the warm-up's steps too
+    }
+
+
+def time_generation_limit(args: Args, task: str) -> dict:
+    """The generation table's limit: vLLM's offline `LLM.generate` (benchmarks/vllm_generate.py, in the vLLM
+    environment) with the server flags the launcher gives vLLM's server, of the same warm-up and timed prompts as
+    `time_generation`'s requests, all at once."""
+    from lm_human_preference_details.grpo import vllm_env
+    from lm_human_preference_details.grpo.launch import ServerEngine, server_flags
+
+    settings = generation_settings(task)
+    shape = generation_shape(args, task, settings)
+    python = vllm_env.server_command()[0]  # a RuntimeError naming the command that makes the environment
+    warm_up, *timed = generation_prompts(settings, 1 + args.generation_requests)
+    folder = os.path.join(args.out_dir, "generation", task, "vllm_limit")
+    os.makedirs(folder, exist_ok=True)
+    prompts, result = os.path.join(folder, "prompts.json"), os.path.join(folder, "result.json")
+    with open(prompts, "w") as f:
+        json.dump({"warm_up": warm_up, "timed": [p for request in timed for p in request]}, f)
+    flags = server_flags(settings, ServerEngine("vllm", folder).model_for_servers(settings.model), version=0, i=0)
+    sampling = ["--n", str(settings.group_size), "--max-tokens", str(args.generation_tokens)]
+    cmd = [python, os.path.join(ROOT, "benchmarks", "vllm_generate.py"), "--prompts", prompts, *sampling]
+    cmd += ["--temperature", f"{settings.temperature!r}", "--out", result, "--", *flags]
+    run_logged(cmd, os.path.join(folder, "vllm_generate.log"), dict(device_env(args.device), PYTHONPATH=ROOT), ROOT)
+    with open(result) as f:
+        limit = json.load(f)
+    return {**shape, "engine": "vllm offline generate (limit)", **limit}
 
 
 def run_settings(args: Args):
@@ -549,7 +702,9 @@ def run_role(args: Args, role: str, python: str, repeat: int) -> dict:
     }
 
 
-def markdown(args: Args, runs: dict[str, list[dict]], updates: list[dict], scaled: list[dict]) -> str:
+def markdown(
+    args: Args, runs: dict[str, list[dict]], updates: list[dict], scaled: list[dict], generation: list[dict] = ()
+) -> str:
     med = {
         name: {
             k: statistics.median(r[k] for r in rs if k in r)
@@ -558,7 +713,7 @@ def markdown(args: Args, runs: dict[str, list[dict]], updates: list[dict], scale
         }
         for name, rs in runs.items()
     }
-    pipeline = med["pipeline"]
+    reference = next(iter(runs))  # the pipeline on the first engine
     flags = f", every launch with `{' '.join(args.extra)}`" if args.extra else ""
     lines = [
         f"GRPO `{args.task}` preset{flags}, {args.steps} optimizer steps per run, median of {args.repeats} runs per "
@@ -567,7 +722,7 @@ def markdown(args: Args, runs: dict[str, list[dict]], updates: list[dict], scale
         "CPU ms per sample (a schedule is faster by keeping more cores busy or by spending less CPU on a sample).",
         "",
         "| schedule | samples/s | tokens/s | tokens/sample | mean lag (steps) | success, last 20 steps | cores busy | "
-        "CPU ms/sample | pipeline / this (samples/s) | per round |",
+        f"CPU ms/sample | {reference} / this (samples/s) | per round |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, m in med.items():
@@ -588,11 +743,11 @@ def markdown(args: Args, runs: dict[str, list[dict]], updates: list[dict], scale
             else f"{statistics.median(r['tokens_per_s'] / r['samples_per_s'] for r in runs[name]):.1f}"
         )
         per_round = " / ".join(
-            f"{p['samples_per_s'] / r['samples_per_s']:.2f}" for p, r in zip(runs["pipeline"], runs[name])
+            f"{p['samples_per_s'] / r['samples_per_s']:.2f}" for p, r in zip(runs[reference], runs[name])
         )
         lines.append(
             f"| {name} | {m['samples_per_s']:.0f} | {tokens} | {per_sample} | {m['lag_steady']:.2f} | {success} | "
-            f"{cores} | {cpu} | {pipeline['samples_per_s'] / m['samples_per_s']:.2f}x | {per_round} |"
+            f"{cores} | {cpu} | {med[reference]['samples_per_s'] / m['samples_per_s']:.2f}x | {per_round} |"
         )
     lines += matched_lag(runs, med)
     if updates:
@@ -601,8 +756,8 @@ def markdown(args: Args, runs: dict[str, list[dict]], updates: list[dict], scale
             "Weight update while the server decodes (median of the timed updates; trainer broadcast = "
             "announce until received, server pause = decoding stopped for the swap):",
             "",
-            "| model | parameters | broadcasts | trainer broadcast (ms) | server pause (ms) |",
-            "|---|---|---|---|---|",
+            "| model | engine | parameters | broadcasts | trainer broadcast (ms) | server pause (ms) |",
+            "|---|---|---|---|---|---|",
         ]
         for u in updates:
             for name, count in (
@@ -610,8 +765,8 @@ def markdown(args: Args, runs: dict[str, list[dict]], updates: list[dict], scale
                 ("bucketed", f"{u['broadcasts_bucketed']} ({u['bucket_mb']:g} MiB buckets)"),
             ):
                 lines.append(
-                    f"| {u['model']} | {u['parameters'] / 1e6:.1f}M | {count} | {u[name]['broadcast_s'] * 1e3:.1f} | "
-                    f"{u[name]['pause_s'] * 1e3:.2f} |"
+                    f"| {u['model']} | {u['engine']} | {u['parameters'] / 1e6:.1f}M | {count} | "
+                    f"{u[name]['broadcast_s'] * 1e3:.1f} | {u[name]['pause_s'] * 1e3:.2f} |"
                 )
     if scaled:
         pipeline, sync = [k for k in scaled[0] if k not in ("batch", "tokens")]
@@ -628,19 +783,48 @@ def markdown(args: Args, runs: dict[str, list[dict]], updates: list[dict], scale
                 f"| {row['batch']} | {row['tokens']} | {row[pipeline]:.3f} | {row[sync]:.3f} | "
                 f"{row[sync] / row[pipeline]:.2f}x |"
             )
+    lines += generation_table(generation)
     return "\n".join(lines) + "\n"
 
 
+def generation_table(generation: list[dict]) -> list[str]:
+    """The generation table's lines (none without rows): each row's samples/s, tokens/s, and the limit's tokens/s
+    over its own where the task has a limit row."""
+    if not generation:
+        return []
+    limits = {row["task"]: row for row in generation if row["engine"].endswith("(limit)")}
+    lines = [
+        "",
+        "Generation alone: one server with every core gets completion requests shaped as the actor's (a request: "
+        "its prompts x n samples, each `max_tokens` long past EOS), `in flight` at a time over HTTP, after one untimed "
+        "request; the limit is vLLM's offline `LLM.generate` of the same prompts at once (the server's engine "
+        "arguments and sampling, after an untimed generate):",
+        "",
+        "| preset | model | engine | requests x prompts x n | tokens | in flight | samples/s | tokens/s | "
+        "limit / this (tokens/s) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in generation:
+        limit = limits.get(row["task"])
+        versus = f"{limit['tokens_per_s'] / row['tokens_per_s']:.2f}x" if limit else "-"
+        lines.append(
+            f"| {row['task']} | {row['model']} | {row['engine']} | {row['requests']} x {row['prompts_per_request']} x "
+            f"{row['n']} | {row['max_tokens']} | {row['in_flight']} | {row['samples_per_s']:.1f} | "
+            f"{row['tokens_per_s']:.0f} | {versus} |"
+        )
+    return lines
+
+
 def matched_lag(runs: dict[str, list[dict]], med: dict[str, dict]) -> list[str]:
-    """Each sync schedule against the fastest pipeline row whose steady-state mean lag is no larger:
+    """Each sync schedule against the fastest pipeline row of its engine whose steady-state mean lag is no larger:
     the speed-up at the same on-policyness (or better)."""
     syncs = [name for name in med if name.startswith("sync")]
     if not syncs:
         return []
     lines = [
         "",
-        "At matched on-policyness: each sync schedule against the fastest pipeline row whose mean lag, steps "
-        "after the first fifth, is no larger:",
+        "At matched on-policyness: each sync schedule against the fastest pipeline row of its engine whose mean lag, "
+        "steps after the first fifth, is no larger:",
         "",
         "| sync schedule | sync lag | pipeline row | pipeline lag | pipeline / sync (samples/s) | per round |",
         "|---|---|---|---|---|---|",
@@ -648,7 +832,13 @@ def matched_lag(runs: dict[str, list[dict]], med: dict[str, dict]) -> list[str]:
     for sync in syncs:
         lag = med[sync]["lag_steady"]
         # (1e-9: medians of float lags that print equal count as equal)
-        candidates = [name for name in med if name.startswith("pipeline") and med[name]["lag_steady"] <= lag + 1e-9]
+        candidates = [
+            name
+            for name in med
+            if name.startswith("pipeline")
+            and row_engine(name) == row_engine(sync)
+            and med[name]["lag_steady"] <= lag + 1e-9
+        ]
         if not candidates:
             lines.append(f"| {sync} | {lag:.2f} | none is as on-policy | - | - | - |")
             continue
@@ -676,31 +866,35 @@ def main(argv: list[str] | None = None) -> None:
     runs: dict[str, list[dict]] = {name: [] for name, _ in schedules(args)} | {ROLE_ROWS[role]: [] for role in roles}
     updates: list[dict] = []
     scaled: list[dict] = []
+    generation: list[dict] = []
     for repeat in range(args.repeats):
         for name, flags in schedules(args):
             runs[name].append(run_schedule(args, name, flags, repeat))
-            save(args, runs, updates, scaled)
+            save(args, runs, updates, scaled, generation)
         for role, python in roles.items():
             runs[ROLE_ROWS[role]].append(run_role(args, role, python, repeat))
-            save(args, runs, updates, scaled)
+            save(args, runs, updates, scaled, generation)
     for model in args.update_models:
-        updates.append(
-            time_weight_updates(
-                model,
-                args.updates,
-                args.update_bucket_mb,
-                args.device,
-                os.path.join(args.out_dir, f"server_{model}.log"),
-            )
-        )
-        save(args, runs, updates, scaled)
+        for engine in args.engines:
+            folder = os.path.join(args.out_dir, "updates", f"{model}_{engine}")
+            updates.append(time_weight_updates(model, engine, args.updates, args.update_bucket_mb, args.device, folder))
+            save(args, runs, updates, scaled, generation)
     if args.scaling:
         scaled += scaling(args)
-        save(args, runs, updates, scaled)
-    print(markdown(args, runs, updates, scaled))
+        save(args, runs, updates, scaled, generation)
+    for task in args.generation_tasks:
+        for engine in args.engines:
+            generation.append(time_generation(args, task, engine))
+            save(args, runs, updates, scaled, generation)
+        if "vllm" in args.engines:
+            generation.append(time_generation_limit(args, task))
+            save(args, runs, updates, scaled, generation)
+    print(markdown(args, runs, updates, scaled, generation))
 
 
-def save(args: Args, runs: dict[str, list[dict]], updates: list[dict], scaled: list[dict]) -> None:
+def save(
+    args: Args, runs: dict[str, list[dict]], updates: list[dict], scaled: list[dict], generation: list[dict]
+) -> None:
     """results.json and results.md as they stand (after every run: a benchmark stopped midway keeps its rows)."""
     runs = {name: rs for name, rs in runs.items() if rs}  # the first run is the pipeline's
     with open(os.path.join(args.out_dir, "results.json"), "w") as f:
@@ -711,12 +905,13 @@ def save(args: Args, runs: dict[str, list[dict]], updates: list[dict], scaled: l
                 "runs": runs,
                 "updates": updates,
                 "scaling": scaled,
+                "generation": generation,
             },
             f,
             indent=2,
         )
     with open(os.path.join(args.out_dir, "results.md"), "w") as f:
-        f.write(markdown(args, runs, updates, scaled))
+        f.write(markdown(args, runs, updates, scaled, generation))
 
 
 if __name__ == "__main__":

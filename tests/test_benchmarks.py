@@ -354,7 +354,11 @@ def test_gpu_sh_writes_every_speed_table_of_ppo_speed_and_grpo_speed(tmp_path):
     (scaled,) = grpo["scaling"]
     assert scaled["batch"] == 16 and scaled["tokens"] == 3 and scaled["pipeline"] > 0 and scaled["sync G=4"] > 0
     table = (out / "grpo_speed" / "results.md").read_text()
-    assert "| pipeline |" in table and "| sync G=4 |" in table and "| tiny-math | 0.1M | 28 (one per tensor) |" in table
+    assert (
+        "| pipeline |" in table
+        and "| sync G=4 |" in table
+        and "| tiny-math | home | 0.1M | 28 (one per tensor) |" in table
+    )
     assert "| 16 | 3 |" in table and "At matched on-policyness" in table
     if trl116_python:
         assert grpo["runs"]["trl GRPOTrainer"][0]["lag_mean"] == 0 and "| trl GRPOTrainer |" in table
@@ -368,3 +372,143 @@ def test_gpu_sh_writes_every_speed_table_of_ppo_speed_and_grpo_speed(tmp_path):
             f"{' and '.join(missing)} not set: TRL's rows not compared (bash tests/run.sh makes TRL's environments "
             "and sets both)"
         )
+
+
+def test_grpo_speed_with_vllm_adds_a_pipeline_and_a_sync_row_on_it_and_names_the_home_engine(monkeypatch):
+    for name in ("TRANSFORMERS_VERBOSITY", "HF_HUB_DISABLE_PROGRESS_BARS"):  # the parse sets them: not for later tests
+        monkeypatch.delenv(name, raising=False)
+    speed = load_script("grpo_speed")
+    args = speed.Args(
+        task="tiny", sync_steps=[4, 8], engines=["home", "vllm"], pipeline_steps_ahead=[6], one_thread_row=False
+    )
+    assert dict(speed.schedules(args)) == {
+        "pipeline": ["--mode", "pipeline", "--engine", "home"],
+        "pipeline, per-tensor updates": ["--mode", "pipeline", "--update-bucket-mb", "0", "--engine", "home"],
+        "sync G=4": ["--mode", "sync", "--sync-steps", "4", "--engine", "home"],
+        "sync G=8": ["--mode", "sync", "--sync-steps", "8", "--engine", "home"],
+        "pipeline, 6 steps ahead": ["--mode", "pipeline", "--steps-ahead", "6", "--engine", "home"],
+        "pipeline, vLLM": ["--mode", "pipeline", "--engine", "vllm"],
+        "sync G=4, vLLM": ["--mode", "sync", "--sync-steps", "4", "--engine", "vllm"],
+    }
+    assert [speed.row_engine(name) for name, _ in speed.schedules(args)] == ["home"] * 5 + ["vllm"] * 2
+
+
+def test_grpo_speed_matches_lag_within_an_engine_and_rates_every_row_against_the_first():
+    speed = load_script("grpo_speed")
+    rounds = {
+        "pipeline": [(100, 2.0)],
+        "sync G=4": [(50, 1.5)],
+        "pipeline, vLLM": [(400, 1.0)],  # faster and more on-policy, but another engine
+        "sync G=4, vLLM": [(200, 1.5)],
+    }
+    runs = {name: [{"samples_per_s": s, "lag_steady": lag} for s, lag in rs] for name, rs in rounds.items()}
+    med = {name: rs[0] for name, rs in runs.items()}
+    rows = {
+        line.split(" | ")[0].strip("| "): line for line in speed.matched_lag(runs, med) if line.startswith("| sync")
+    }
+    assert rows["sync G=4"] == "| sync G=4 | 1.50 | none is as on-policy | - | - | - |"
+    assert rows["sync G=4, vLLM"] == "| sync G=4, vLLM | 1.50 | pipeline, vLLM | 1.00 | 2.00x | 2.00 |"
+    only_vllm = {name: rs for name, rs in runs.items() if name.endswith("vLLM")}
+    table = speed.markdown(speed.Args(steps=8, repeats=1, engines=["vllm"]), only_vllm, [], [])
+    assert "| pipeline, vLLM / this (samples/s) |" in table  # the first row is the reference, whichever engine
+    assert "| sync G=4, vLLM | 200 | - | - | 1.50 | - | - | - | 2.00x | 2.00 |" in table
+
+
+def test_grpo_speed_tables_of_weight_updates_per_engine_and_of_generation_against_vllms_limit():
+    speed = load_script("grpo_speed")
+    update = {
+        "model": "tiny-math",
+        "engine": "home",
+        "parameters": 123_456,
+        "tensors": 28,
+        "bucket_mb": 16.0,
+        "broadcasts_bucketed": 1,
+        "per_tensor": {"broadcast_s": 0.0123, "pause_s": 0.00045},
+        "bucketed": {"broadcast_s": 0.0067, "pause_s": 0.00012},
+    }
+    shape = {"model": "tiny-math", "requests": 8, "prompts_per_request": 8, "n": 8, "max_tokens": 24, "in_flight": 32}
+    generation = [
+        {**shape, "task": "tiny", "engine": "home", "samples_per_s": 100.0, "tokens_per_s": 2400.0},
+        {**shape, "task": "tiny", "engine": "vllm", "samples_per_s": 50.0, "tokens_per_s": 1200.0},
+        {
+            **shape,
+            "task": "tiny",
+            "engine": "vllm offline generate (limit)",
+            "samples_per_s": 60.0,
+            "tokens_per_s": 1440,
+        },
+        {
+            **shape,
+            "task": "arith",
+            "model": "smollm2-135m",
+            "engine": "home",
+            "samples_per_s": 4.25,
+            "tokens_per_s": 102,
+        },
+    ]
+    table = speed.markdown(
+        speed.Args(steps=8, repeats=1),
+        {"pipeline": [{"samples_per_s": 10.0, "lag_steady": 1.0}]},
+        [update, {**update, "engine": "vllm"}],
+        [],
+        generation,
+    )
+    lines = table.splitlines()
+    assert "| model | engine | parameters | broadcasts | trainer broadcast (ms) | server pause (ms) |" in lines
+    assert "| tiny-math | home | 0.1M | 28 (one per tensor) | 12.3 | 0.45 |" in lines
+    assert "| tiny-math | vllm | 0.1M | 1 (16 MiB buckets) | 6.7 | 0.12 |" in lines
+    assert table.index("| tiny-math | home |") < table.index("Generation alone")  # the generation table comes last
+    assert lines[-4:] == [
+        "| tiny | tiny-math | home | 8 x 8 x 8 | 24 | 32 | 100.0 | 2400 | 0.60x |",
+        "| tiny | tiny-math | vllm | 8 x 8 x 8 | 24 | 32 | 50.0 | 1200 | 1.20x |",
+        "| tiny | tiny-math | vllm offline generate (limit) | 8 x 8 x 8 | 24 | 32 | 60.0 | 1440 | 1.00x |",
+        "| arith | smollm2-135m | home | 8 x 8 x 8 | 24 | 32 | 4.2 | 102 | - |",  # no limit row for arith
+    ]
+    assert "Generation alone" not in speed.markdown(
+        speed.Args(steps=8, repeats=1), {"pipeline": [{"samples_per_s": 10.0, "lag_steady": 1.0}]}, [], []
+    )
+
+
+def test_grpo_speed_generation_requests_are_the_actors(monkeypatch):
+    for name in ("TRANSFORMERS_VERBOSITY", "HF_HUB_DISABLE_PROGRESS_BARS"):  # the parse sets them: not for later tests
+        monkeypatch.delenv(name, raising=False)
+    speed = load_script("grpo_speed")
+    from lm_human_preference_details.grpo.rewards import load_task_problems
+
+    tiny = speed.generation_settings("tiny")
+    problems = [p.prompt for p in load_task_problems(tiny)]  # 25 sums
+    requests = speed.generation_prompts(tiny, 4)
+    # a step's 8 problems per request (problems_per_request 0), in order, around the 25 again
+    assert requests == [problems[0:8], problems[8:16], problems[16:24], [problems[24], *problems[0:7]]]
+    assert tiny.torch_threads("server") == (len(os.sched_getaffinity(0)))  # a server alone: every core
+    shape = speed.generation_shape(speed.Args(generation_requests=3, generation_tokens=5), "tiny", tiny)
+    assert shape == {
+        "task": "tiny",
+        "model": "tiny-math",
+        "requests": 3,
+        "prompts_per_request": 8,
+        "n": 8,
+        "max_tokens": 5,
+        "in_flight": 32,  # the preset's max_in_flight
+    }
+    arith = speed.generation_settings("arith")
+    assert [len(r) for r in speed.generation_prompts(arith, 2)] == [1, 1]  # one problem per request
+    assert speed.generation_shape(speed.Args(generation_in_flight=4), "arith", arith)["in_flight"] == 4
+
+
+@pytest.mark.slow
+def test_grpo_speed_times_generation_alone_on_a_real_server_over_http(tmp_path, monkeypatch):
+    """One generation row end to end (the home engine: vLLM's start alone takes minutes on this machine's CPU)."""
+    for name in ("TRANSFORMERS_VERBOSITY", "HF_HUB_DISABLE_PROGRESS_BARS"):  # the parse sets them: not for later tests
+        monkeypatch.delenv(name, raising=False)
+    from lm_human_preference_details.assets import resolve_model_path
+
+    resolve_model_path("tiny-math")  # built here on first use (minutes on a busy CPU), not within the server's start
+    speed = load_script("grpo_speed")
+    args = speed.Args(out_dir=str(tmp_path), generation_requests=3, generation_tokens=5, generation_in_flight=2)
+    row = speed.time_generation(args, "tiny", "home")
+    # 3 requests of the step's 8 problems x 8 samples, every sample 5 tokens long (past EOS)
+    assert (row["engine"], row["sequences"], row["tokens"]) == ("home", 3 * 8 * 8, 3 * 8 * 8 * 5)
+    assert row["tokens_per_s"] == pytest.approx(row["tokens"] / row["seconds"]) and row["seconds"] > 0
+    assert row["decode_batch_mean"] > 1  # the requests' samples were decoded together
+    assert "serving" in (tmp_path / "generation" / "tiny" / "home" / "server.log").read_text()

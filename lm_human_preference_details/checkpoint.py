@@ -29,6 +29,7 @@ import torch
 from accelerate.utils import broadcast_object_list
 from safetensors import SafetensorError, safe_open
 
+from . import sharding
 from .cli import UserError
 
 T = TypeVar("T")
@@ -190,14 +191,18 @@ def check_same_settings(saved: dict | None, current: dict, may_differ: set[str],
 
 
 def save(output_dir: str, accelerator, model, optimizer, loop_state: dict) -> None:
-    """All processes call this: each writes its RNG state, the main process the rest."""
+    """All processes call this: each writes its RNG state, the main process the rest: the model's and the
+    optimizer's whole tensors, which under a sharding engine every process helps gather (`sharding`)."""
+    model_state = sharding.full_state_dict(accelerator, model)
+    optimizer_state = sharding.optimizer_state_dict(accelerator, model, optimizer)
     with staged(folder(output_dir), accelerator) as staging:
         torch.save(rng_state(accelerator.device), os.path.join(staging, f"rng_{accelerator.process_index}.pt"))
         if accelerator.is_main_process:
             torch.save(
                 {
-                    "model": accelerator.unwrap_model(model).state_dict(),
-                    "optimizer": optimizer.state_dict(),
+                    "model": model_state,
+                    "optimizer": optimizer_state,
+                    "engine": sharding.engine_of(accelerator),
                     "loop": loop_state,
                 },
                 os.path.join(staging, "state.pt"),
@@ -228,9 +233,15 @@ def load(output_dir: str, accelerator, model, optimizer) -> dict:
             f"--resume: {path} was saved by {state['loop']['world_size']} processes; resume it with as many, "
             f"not {accelerator.num_processes} (each process's query stream and RNG state belong to its rank)"
         )
+    saved_under, engine = state.get("engine", "ddp"), sharding.engine_of(accelerator)
+    if (saved_under == "fsdp2") != (engine == "fsdp2"):  # the optimizer's state is keyed by names, not numbers
+        raise UserError(
+            f"--resume: {path} was saved under {sharding.ENGINE_NAMES[saved_under]}; resume it under the same engine "
+            f"(the accelerate config it was launched with), not {sharding.ENGINE_NAMES[engine]}"
+        )
     rng_path = os.path.join(path, f"rng_{accelerator.process_index}.pt")
-    accelerator.unwrap_model(model).load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    sharding.load_full_state_dict(accelerator, model, state["model"])
+    sharding.load_optimizer_state_dict(accelerator, model, optimizer, state["optimizer"])
     set_rng_state(load_or_explain(rng_path, load_onto_cpu, damaged(path)), accelerator.device)
     return state["loop"]
 

@@ -109,26 +109,6 @@ def quiet_transformers() -> None:
         sys.modules["huggingface_hub"].utils.disable_progress_bars()
 
 
-def make_accelerator():
-    """An Accelerator that runs on the CPU, with gloo across processes, when there is no GPU.
-
-    `accelerate launch --cpu` starts a single process whatever --num_processes says (accelerate 1.x);
-    `accelerate launch --multi_gpu --num_processes 2` (or `torchrun --nproc_per_node 2`) starts two, and
-    without a GPU they train on the CPU over gloo.
-    """
-    import torch
-
-    # torch.distributed.nn binds the default process group as a default argument of its functions when it is
-    # first imported, and DDP imports it: imported after the group exists, it keeps the group alive past
-    # destroy_process_group, and gloo's threads then die in the interpreter's teardown (SIGABRT, "terminate
-    # called without an active exception", now and then in two-process runs on a loaded machine). Imported
-    # before the group exists, it binds None.
-    import torch.distributed.nn  # noqa: F401
-    from accelerate import Accelerator
-
-    return Accelerator(cpu=not torch.cuda.is_available())
-
-
 def main_with_user_errors(main: Callable[[], None]) -> Callable[[], None]:
     """Run `main`; a UserError ends the process with `error: ...` on one line and exit status 2.
 

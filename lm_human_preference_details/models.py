@@ -110,6 +110,7 @@ class PolicyAndValue(nn.Module):
         # logits beyond the tokenizer's ids are dropped: # OAI: lm_human_preferences/policy.py#L59
         self.vocab_size = vocab_size
         self.value_head = scalar_head(lm.config.hidden_size, std=0.0)
+        self._no_split_modules = getattr(lm, "_no_split_modules", None)  # FSDP's shard groups: the LM's blocks
         disable_dropout(self)
 
     def forward(
@@ -126,11 +127,23 @@ class PolicyAndValue(nn.Module):
         logits = self.lm.get_output_embeddings()(hidden)[..., : self.vocab_size]  # (B, T', V)
         return logits, self.value_head(hidden).squeeze(-1)
 
-    def save(self, path: str) -> None:
-        """A folder: the LM as `save_pretrained` writes it (`load_causal_lm` reads it), the value head beside it."""
-        self.lm.save_pretrained(path)
-        head = {k: v.detach().contiguous() for k, v in self.value_head.state_dict().items()}
-        save_file(head, os.path.join(path, self.VALUE_HEAD_FILE))
+    def sample(self, sample_fn, *args, **kwargs):
+        """`sample_fn(self.lm, *args, **kwargs)` (a rollout: `sampling.sample_responses`) as a method of the model,
+        so that a sharding engine gathers the parameters around it as around `forward` (`sharding.prepare`)."""
+        return sample_fn(self.lm, *args, **kwargs)
+
+    def save(self, path: str, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        """A folder: the LM as `save_pretrained` writes it (`load_causal_lm` reads it), the value head beside it.
+        `state_dict`: the model's whole tensors, when its own are shards (`sharding.full_state_dict`)."""
+        state_dict = self.state_dict() if state_dict is None else state_dict
+        # a tied weight once, under the name the LM keeps (gathered whole tensors no longer share their memory)
+        tied = {n for n, _ in self.lm.named_parameters(remove_duplicate=False)} - dict(
+            self.lm.named_parameters()
+        ).keys()
+        lm_state = {k.removeprefix("lm."): v for k, v in state_dict.items() if k.startswith("lm.")}
+        self.lm.save_pretrained(path, state_dict={k: v for k, v in lm_state.items() if k not in tied})
+        head = {k.removeprefix("value_head."): v for k, v in state_dict.items() if k.startswith("value_head.")}
+        save_file({k: v.detach().contiguous() for k, v in head.items()}, os.path.join(path, self.VALUE_HEAD_FILE))
 
 
 class RewardModel(nn.Module):
@@ -149,8 +162,11 @@ class RewardModel(nn.Module):
         self.base_model_name = base_model
         d = backbone.config.hidden_size
         self.head = scalar_head(d, std=1 / (d + 1) ** 0.5)  # OAI: lm_human_preferences/language/model.py#L248-L254
-        self.gain = nn.Parameter(torch.ones(()))  # OAI: lm_human_preferences/rewards.py#L50-L51 (gain 1, bias 0)
-        self.bias = nn.Parameter(torch.zeros(()))
+        # OAI: lm_human_preferences/rewards.py#L50-L51 (gain 1, bias 0); OAI's are scalars, these of shape (1,), the
+        # same numbers: a sharding engine splits parameters along their first dimension, which a scalar lacks
+        self.gain = nn.Parameter(torch.ones(1))
+        self.bias = nn.Parameter(torch.zeros(1))
+        self._no_split_modules = getattr(backbone, "_no_split_modules", None)  # FSDP's shard groups: the blocks
         disable_dropout(self)
 
     @classmethod
@@ -183,22 +199,34 @@ class RewardModel(nn.Module):
         Expects gain 1 and bias 0 (call `reset_reward_scale` first).
         # OAI: lm_human_preferences/rewards.py#L77-L89
         """
-        if self.gain.item() != 1.0 or self.bias.item() != 0.0:
-            raise RuntimeError(f"set_reward_norm expects gain 1 and bias 0, not {self.gain.item()}, {self.bias.item()}")
+        gain, bias = self.gain_and_bias()
+        if gain != 1.0 or bias != 0.0:
+            raise RuntimeError(f"set_reward_norm expects gain 1 and bias 0, not {gain}, {bias}")
         gain = new_std / old_std
         self.gain.fill_(gain)
         self.bias.fill_(new_mean - gain * old_mean)
+
+    def gain_and_bias(self) -> tuple[float, float]:
+        """The gain and bias as numbers; a sharded model's are gathered (every process calls this then)."""
+
+        def whole(parameter: torch.Tensor) -> torch.Tensor:
+            return parameter.full_tensor() if hasattr(parameter, "full_tensor") else parameter  # a DTensor's shards
+
+        return whole(self.gain).item(), whole(self.bias).item()
 
     @torch.no_grad()
     def reset_reward_scale(self) -> None:
         self.gain.fill_(1.0)
         self.bias.fill_(0.0)
 
-    def save(self, path: str) -> None:
-        """A folder: the trunk as `save_pretrained` writes it, the head, gain and bias beside it."""
+    def save(self, path: str, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        """A folder: the trunk as `save_pretrained` writes it, the head, gain and bias beside it.
+        `state_dict`: the model's whole tensors, when its own are shards (`sharding.full_state_dict`)."""
         os.makedirs(path, exist_ok=True)
-        self.backbone.save_pretrained(path)
-        head = {"head.weight": self.head.weight, "head.bias": self.head.bias, "gain": self.gain, "bias": self.bias}
+        state_dict = self.state_dict() if state_dict is None else state_dict
+        trunk = {k.removeprefix("backbone."): v for k, v in state_dict.items() if k.startswith("backbone.")}
+        self.backbone.save_pretrained(path, state_dict=trunk)
+        head = {k: state_dict[k] for k in ("head.weight", "head.bias", "gain", "bias")}
         save_file({k: v.detach().contiguous() for k, v in head.items()}, os.path.join(path, self.HEAD_FILE))
         with open(os.path.join(path, self.META_FILE), "w") as f:
             json.dump({"base_model": self.base_model_name}, f)
@@ -217,6 +245,6 @@ class RewardModel(nn.Module):
         with torch.no_grad():
             model.head.weight.copy_(head["head.weight"])
             model.head.bias.copy_(head["head.bias"])
-            model.gain.copy_(head["gain"])
-            model.bias.copy_(head["bias"])
+            model.gain.copy_(head["gain"].reshape(1))  # a folder saved before they had shape (1,) holds scalars
+            model.bias.copy_(head["bias"].reshape(1))
         return model

@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from lm_human_preference_details import cli, labelers, tasks, train_policy
+from lm_human_preference_details import cli, labelers, sharding, tasks, train_policy
 from lm_human_preference_details.data import QuerySampler, format_queries
 from lm_human_preference_details.models import load_causal_lm
 from lm_human_preference_details.sampling import sample_responses
@@ -57,7 +57,7 @@ def main() -> None:
     )
     if not args.resume:  # refused before the models load and sample below, not after
         refuse_to_overwrite(args.output_dir, resumable=True)
-    accelerator = cli.make_accelerator()
+    accelerator = sharding.make_accelerator()
     tokenizer = load_tokenizer(args.task.base_model)
     probe = next(QuerySampler(args.task, tokenizer, batch_size=4, seed=args.seed + 7))  # queries shown before and after
     before = answer(load_causal_lm(args.task.base_model), tokenizer, args.task, probe, seed=args.seed)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from accelerate.utils import broadcast_object_list, set_seed
 
-from lm_human_preference_details import checkpoint, cli, labelers, ppo, tasks, train_reward
+from lm_human_preference_details import checkpoint, cli, labelers, ppo, sharding, tasks, train_reward
 from lm_human_preference_details.data import format_queries
 from lm_human_preference_details.models import PolicyAndValue, RewardModel, load_causal_lm, logprobs_of
 from lm_human_preference_details.optim import OptimizerName, make_optimizer
@@ -106,10 +106,14 @@ class Args(RunArgs):
     """updates between sample tables"""
     resume: bool = False
     """continue the run in output_dir from its last checkpoint"""
+    shard_frozen: bool = True
+    """under an engine that shards parameters (FSDP2, ZeRO-3: the accelerate config), shard the frozen reference
+    policy and reward model as the policy is (each forward gathers them); False: every process holds them whole"""
 
 
 MAY_CHANGE_ON_RESUME = {
     "resume",
+    "shard_frozen",
     "save_interval",
     "sample_interval",
     "eval_labeler",
@@ -287,10 +291,12 @@ def decoded(tokenizer, rows: torch.Tensor, pad_id: int) -> list[str]:
     return [tokenizer.decode(strip_pad(row, pad_id)) for row in rows]
 
 
-def save_policy(path: str, policy: PolicyAndValue, tokenizer, accelerator) -> None:
-    """The trained policy (LM, value head, tokenizer: `PolicyAndValue.save`), written by the main process."""
+def save_policy(path: str, model, tokenizer, accelerator) -> None:
+    """The trained policy (LM, value head, tokenizer: `PolicyAndValue.save`), written by the main process from the
+    whole tensors, which every process helps gather under a sharding engine."""
+    state_dict = sharding.full_state_dict(accelerator, model)
     if accelerator.is_main_process:
-        policy.save(path)
+        accelerator.unwrap_model(model).save(path, state_dict)
         tokenizer.save_pretrained(path)
         accelerator.print(f"saved the policy to {path}")
     accelerator.wait_for_everyone()
@@ -313,8 +319,10 @@ def train(
     args.rewards.trained_model, args.resume = reward_model_and_resume(args, accelerator)
     set_seed(args.seed + rank * 100003)  # OAI: lm_human_preferences/utils/core.py#L108-L111
     pad_id = tokenizer.oai_pad_token_id
-    reward_model = load_reward_model(args.rewards.trained_model, tokenizer).to(device).requires_grad_(False)
-    ref_policy = PolicyAndValue(load_causal_lm(args.task.base_model), len(tokenizer)).to(device).requires_grad_(False)
+    reward_model = load_reward_model(args.rewards.trained_model, tokenizer)
+    reward_model = sharding.prepare_frozen(accelerator, reward_model, args.shard_frozen)
+    ref_policy = PolicyAndValue(load_causal_lm(args.task.base_model), len(tokenizer))
+    ref_policy = sharding.prepare_frozen(accelerator, ref_policy, args.shard_frozen)
     policy = PolicyAndValue(load_causal_lm(args.task.base_model), len(tokenizer)).to(device)
     p = args.ppo
     optimizer = make_optimizer(p.optimizer, policy.parameters(), p.lr, p.adam_eps)
@@ -330,7 +338,7 @@ def train(
     sampler = hooks.query_sampler(
         args.task, tokenizer, batch_size=per_process, seed=args.task.query_seed, rank=rank, world_size=world
     )
-    model, optimizer = accelerator.prepare(policy, optimizer)
+    model, optimizer = sharding.prepare(accelerator, policy, optimizer)
 
     start_update = 1
     if args.resume:
@@ -355,14 +363,15 @@ def train(
         with torch.no_grad():
             queries = next(sampler).to(device)  # (B, Q) bare queries: what the reward model reads
             contexts = format_queries(queries, tokenizer, args.task)  # (B, Q'): what the policy reads
-            responses, _ = hooks.sample(
-                accelerator.unwrap_model(model).lm,
-                contexts,
-                pad_id,
-                args.task.response_length,
-                args.task.temperature,
-                vocab_size=len(tokenizer),
-            )
+            with sharding.gathered(accelerator, model):
+                responses, _ = accelerator.unwrap_model(model).sample(
+                    hooks.sample,
+                    contexts,
+                    pad_id,
+                    args.task.response_length,
+                    args.task.temperature,
+                    vocab_size=len(tokenizer),
+                )
             logits, values = forward_responses(model, contexts, responses, pad_id, args.task.temperature)
             logprobs = logprobs_of(logits, responses, 1.0)  # (B, R), logits already at the temperature
             del logits
@@ -422,10 +431,11 @@ def train(
                 "objective/kl_coef": torch.tensor(kl_ctl.value, device=device),
                 **{f"ppo/{k}": v for k, v in ppo.reduce_minibatch_stats(ppo_stats).items()},
             }
+            memory = sharding.memory_stats(accelerator, model, optimizer, ref_policy, reward_model)  # largest of ranks
             if eval_labeler is not None:
                 score = eval_labeler(decoded(tokenizer, queries, pad_id), decoded(tokenizer, scored, pad_id))
                 local["objective/labeler_score"] = torch.tensor(score, dtype=torch.float32, device=device).mean()
-            metrics = ppo.reduce_across_processes(local, accelerator.reduce)
+            metrics = ppo.reduce_across_processes(local, accelerator.reduce) | memory
         # OAI: lm_human_preferences/train_policy.py#L241
         metrics["ppo/val/var_explained"] = 1 - metrics["ppo/val/error"] / max(metrics["ppo/returns/var"], 1e-12)
         kl_ctl.update(metrics["objective/kl"], p.batch_size)  # OAI: lm_human_preferences/train_policy.py#L305
@@ -462,7 +472,7 @@ def train(
             checkpoint.save(args.output_dir, accelerator, model, optimizer, loop_state)
     bar.close()
 
-    save_policy(os.path.join(args.output_dir, "policy"), accelerator.unwrap_model(model), tokenizer, accelerator)
+    save_policy(os.path.join(args.output_dir, "policy"), model, tokenizer, accelerator)
     tracker.finish()
     return accelerator.unwrap_model(model), kl_ctl
 
@@ -470,7 +480,7 @@ def train(
 @cli.main_with_user_errors
 def main() -> None:
     args = cli.parse(Args, defaults_for_task, default_task="sentiment", presets=tasks.PRESETS)
-    train(args, cli.make_accelerator())
+    train(args, sharding.make_accelerator())
 
 
 if __name__ == "__main__":

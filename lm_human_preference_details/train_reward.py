@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
-from lm_human_preference_details import checkpoint, cli, labelers, tasks
+from lm_human_preference_details import checkpoint, cli, labelers, sharding, tasks
 from lm_human_preference_details.data import Labels, QuerySampler, format_queries, load_labels, write_labels
 from lm_human_preference_details.make_labels import make_labels
 from lm_human_preference_details.models import RewardModel, load_causal_lm
@@ -152,6 +152,7 @@ def normalize(reward_model, measure, debug_samples: int, tracker: Tracker, step:
     # OAI: lm_human_preferences/train_reward.py#L207-L219 (normalize)
     # OAI: lm_human_preferences/rewards.py#L77-L89 (set_reward_norm)
     """
+    sharding.reshard(reward_model)  # gain and bias are written below: into the shards a sharded model gathers from
     reward_model.reset_reward_scale()
     mean, std = measure(None)
     # OAI: lm_human_preferences/train_reward.py#L182-L186 asserts them finite
@@ -160,8 +161,9 @@ def normalize(reward_model, measure, debug_samples: int, tracker: Tracker, step:
             f"normalize {when}: the reference samples' rewards have mean {mean} and std {std}; gain and bias "
             "need a finite mean and a std above 0 (a reward model that diverged, or scores every sample alike)"
         )
+    sharding.reshard(reward_model)
     reward_model.set_reward_norm(old_mean=mean, old_std=std, new_mean=0.0, new_std=1.0)
-    gain, bias = reward_model.gain.item(), reward_model.bias.item()
+    gain, bias = reward_model.gain_and_bias()
     stats = {f"norm/{when}/mean": mean, f"norm/{when}/std": std, f"norm/{when}/gain": gain, f"norm/{when}/bias": bias}
     if debug_samples:
         stats[f"norm/{when}/check_mean"], stats[f"norm/{when}/check_std"] = measure(debug_samples)
@@ -261,7 +263,7 @@ def train(args: Args, accelerator: Accelerator, hooks: StageHooks | None = None)
         normalize(reward_model, measure, args.debug_normalize, tracker, 0, "before", accelerator)
 
     optimizer = make_optimizer(args.optimizer, reward_model.parameters(), args.lr, args.adam_eps)
-    model, optimizer = accelerator.prepare(reward_model, optimizer)
+    model, optimizer = sharding.prepare(accelerator, reward_model, optimizer)
     # one shuffle shared by all processes, so each label is trained on exactly once
     # OAI: lm_human_preferences/train_reward.py#L240-L241
     order = hooks.permutation(args.labels.num_train, generator=torch.Generator().manual_seed(args.seed))
@@ -306,10 +308,11 @@ def train(args: Args, accelerator: Accelerator, hooks: StageHooks | None = None)
 def save_reward_model(path: str, reward_model: RewardModel, tokenizer, accelerator) -> None:
     """The trained reward model and its tokenizer (`RewardModel.save`), written by the main process beside `path`
     and swapped in whole (`checkpoint.staged`): a folder at `path` is a complete one, which a resumed stage 2
-    takes as stage 1 done."""
+    takes as stage 1 done. Every process calls it."""
+    state_dict = sharding.full_state_dict(accelerator, reward_model)  # every process helps gather a sharded one
     with checkpoint.staged(path, accelerator) as staging:
         if accelerator.is_main_process:
-            reward_model.save(staging)
+            reward_model.save(staging, state_dict)
             tokenizer.save_pretrained(staging)
     accelerator.print(f"saved the reward model to {path}")
 
@@ -317,7 +320,7 @@ def save_reward_model(path: str, reward_model: RewardModel, tokenizer, accelerat
 @cli.main_with_user_errors
 def main() -> None:
     args = cli.parse(Args, defaults_for_task, default_task="sentiment", presets=tasks.PRESETS)
-    train(args, cli.make_accelerator())
+    train(args, sharding.make_accelerator())
 
 
 if __name__ == "__main__":

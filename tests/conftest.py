@@ -79,16 +79,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def accelerate_two_processes() -> tuple[str, ...]:
-    """`accelerate launch` of two processes as a user runs it without a GPU (they train on the CPU over gloo).
+def accelerate_two_processes(config_file: str | None = None) -> tuple[str, ...]:
+    """`accelerate launch` of two processes as a user runs it without a GPU (they train on the CPU over gloo): DDP,
+    or the engine of an accelerate config (`config_file`, one of configs/accelerate/).
 
     On a free port: a run of the user's own on accelerate's default port (29500) would take the rendezvous.
     """
+    engine = ("--config_file", config_file) if config_file else ("--multi_gpu",)
     return (
         sys.executable,
         "-m",
         "accelerate.commands.launch",
-        "--multi_gpu",
+        *engine,
         "--num_processes",
         "2",
         "--num_machines",

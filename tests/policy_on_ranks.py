@@ -8,14 +8,14 @@ import sys
 import torch
 from safetensors.torch import save_file
 
-from lm_human_preference_details import cli, train_policy
+from lm_human_preference_details import cli, sharding, train_policy
 
 
 @cli.main_with_user_errors  # as the stage's own entry point: the process group ends before the interpreter does
 def main() -> None:
     out = sys.argv[1]
     args = cli.parse(train_policy.Args, train_policy.defaults_for_task, default_task="tiny", argv=sys.argv[2:])
-    accelerator = cli.make_accelerator()
+    accelerator = sharding.make_accelerator()
     policy, kl_ctl = train_policy.train(args, accelerator)
     state = {k: v.detach().clone() for k, v in policy.state_dict().items()}  # clone: tied weights share memory
     state["kl_coef"] = torch.tensor(kl_ctl.value, dtype=torch.float64)

@@ -12,11 +12,11 @@ from conftest import accelerate_two_processes
 # one DDP step through the stage scripts' own accelerator and entry-point wrapper, then the native threads left
 DDP_STEP_THEN_LIST_THREADS = """
 import json, os, sys, time, torch
-from lm_human_preference_details import cli
+from lm_human_preference_details import cli, sharding
 
 @cli.main_with_user_errors
 def main():
-    accelerator = cli.make_accelerator()
+    accelerator = sharding.make_accelerator()
     model = torch.nn.Linear(4, 4)
     model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     accelerator.backward(model(torch.ones(2, 4)).sum())

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from test_grpo_launch import LAUNCH
 from test_train_policy import QUIET, run
 
-from lm_human_preference_details import cli, quickstart, train_policy, train_reward
+from lm_human_preference_details import cli, quickstart, sharding, train_policy, train_reward
 from lm_human_preference_details.cli import UserError
 from lm_human_preference_details.grpo.config import get_preset
 from lm_human_preference_details.grpo.trainer import load_learner, save_checkpoint
@@ -68,7 +68,7 @@ def finished_policy_run(tmp_path_factory, tiny_reward_model) -> str:
     args = cli.parse(
         train_policy.Args, train_policy.defaults_for_task, "tiny", argv=policy_flags(tiny_reward_model, output_dir)
     )
-    train_policy.train(args, cli.make_accelerator())
+    train_policy.train(args, sharding.make_accelerator())
     return str(output_dir)
 
 

@@ -12,7 +12,7 @@ import torch
 from conftest import accelerate_two_processes
 from safetensors.torch import load_file
 
-from lm_human_preference_details import train_policy
+from lm_human_preference_details import sharding, train_policy
 from lm_human_preference_details.models import PolicyAndValue, RewardModel, load_causal_lm
 from lm_human_preference_details.text import load_tokenizer
 from lm_human_preference_details.tracking import read_metrics
@@ -144,7 +144,6 @@ def test_killed_run_resumes_to_the_same_weights(tmp_path, tiny_reward_model, mon
 def test_gradient_accumulation_does_not_change_the_update(tmp_path, tiny_reward_model):
     """A minibatch of 16 in one piece or in 4 micro-batches of 4: the same weights after 2 updates, and the
     same logged stats (variances included)."""
-    from lm_human_preference_details import cli
 
     weights, ppo_metrics = [], []
     for steps in (1, 4):
@@ -155,7 +154,7 @@ def test_gradient_accumulation_does_not_change_the_update(tmp_path, tiny_reward_
             "disabled",
         )
         args.ppo.batch_size, args.ppo.total_episodes, args.ppo.gradient_accumulation_steps = 16, 32, steps
-        policy, _ = train_policy.train(args, cli.make_accelerator())
+        policy, _ = train_policy.train(args, sharding.make_accelerator())
         weights.append({k: v.detach().clone() for k, v in policy.state_dict().items()})
         ppo_metrics.append(
             [

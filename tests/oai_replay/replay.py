@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from accelerate.utils import set_seed
 
-from lm_human_preference_details import cli, train_policy, train_reward
+from lm_human_preference_details import sharding, train_policy, train_reward
 from lm_human_preference_details.models import PolicyAndValue, RewardModel, load_causal_lm
 from lm_human_preference_details.sampling import StageHooks
 from lm_human_preference_details.tasks import TaskHParams
@@ -145,8 +145,8 @@ def reward_model_to_oai(model: RewardModel) -> dict[str, np.ndarray]:
         trunk_to_oai(model.backbone, "reward_model/model")
         | head_to_oai(model.head, "reward_model/model/heads/reward")
         | {
-            "reward_model/reward_norm/gain": copied(model.gain),
-            "reward_model/reward_norm/bias": copied(model.bias),
+            "reward_model/reward_norm/gain": copied(model.gain).reshape(()),  # OAI's are scalars, ours of shape (1,)
+            "reward_model/reward_norm/bias": copied(model.bias).reshape(()),
         }
     )
 
@@ -345,7 +345,7 @@ def replay_policy(prepared: Prepared, record: dict, output_dir: str, **ppo_overr
         snapshots,
         policy_to_oai,
     )
-    train_policy.train(args, cli.make_accelerator(), hooks)
+    train_policy.train(args, sharding.make_accelerator(), hooks)
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:
         metrics = [json.loads(line) for line in f]
     return snapshots, metrics
@@ -376,7 +376,7 @@ def replay_reward(prepared: Prepared, record: dict, output_dir: str) -> tuple[li
         snapshots,
         reward_model_to_oai,
     )
-    path = train_reward.train(args, cli.make_accelerator(), hooks)
+    path = train_reward.train(args, sharding.make_accelerator(), hooks)
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:
         metrics = {k: v for line in f for k, v in json.loads(line).items()}
     return snapshots, reward_model_to_oai(RewardModel.load(path)), metrics

@@ -1,0 +1,210 @@
+"""Stages 1 and 2 under the sharding engines of configs/accelerate/, against DDP, in two real processes over gloo.
+
+Each engine's run must give DDP's metrics and weights, hold less per process than DDP (measured on the ranks:
+`memory/state_gib` is the largest process's parameters and optimizer state, from its own shards), save a policy
+that transformers loads, and resume a killed run to the same weights.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import accelerate_two_processes
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from lm_human_preference_details import sharding
+from lm_human_preference_details.cli import UserError
+from lm_human_preference_details.models import RewardModel
+from lm_human_preference_details.tracking import read_metrics
+
+CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs", "accelerate")
+ENGINES = ["fsdp2"]
+QUIET = ("--wandb-mode", "disabled")
+STAGE2 = ("--task", "tiny", "--ppo.total-episodes", str(64 * 10), "--ppo.gradient-accumulation-steps", "2")
+"""10 updates, each minibatch in two micro-batches: accumulation is the same update as without it"""
+NOT_COMPARED = ("time/", "memory/")
+
+
+def launch(engine: str, module: str, *args) -> list[str]:
+    config = None if engine == "ddp" else os.path.join(CONFIGS, f"{engine}.yaml")
+    return [*accelerate_two_processes(config), "-m", f"lm_human_preference_details.{module}", *map(str, args), *QUIET]
+
+
+def run(cmd) -> None:
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+def assert_same_metrics(expected_path, actual_path) -> None:
+    """Every metric of every step the same (but times and memory), within 1e-6 of DDP's relative to its size."""
+    expected, actual = read_metrics(expected_path), read_metrics(actual_path)
+    assert [m["step"] for m in expected] == [m["step"] for m in actual]
+    for e, a in zip(expected, actual):
+        for key, value in e.items():
+            if not key.startswith(NOT_COMPARED):
+                assert a[key] == pytest.approx(value, rel=1e-6, abs=1e-9), (e["step"], key)
+
+
+def assert_same_tensors(expected_file, actual_file) -> None:
+    expected, actual = load_file(expected_file), load_file(actual_file)
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory, tiny_reward_model):
+    """Stage 2 and stage 1 under DDP: what every engine must reproduce."""
+    root = tmp_path_factory.mktemp("ddp")
+    run(
+        launch("ddp", "train_policy", *STAGE2, "--rewards.trained-model", tiny_reward_model, "--output-dir", root / "p")
+    )
+    run(launch("ddp", "train_reward", "--task", "tiny", "--output-dir", str(root / "r")))
+    return root
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def engine_run(request, tmp_path_factory, tiny_reward_model):
+    """Stage 2 under an engine, as `ddp_runs` ran it."""
+    engine = request.param
+    root = tmp_path_factory.mktemp(engine)
+    run(launch(engine, "train_policy", *STAGE2, "--rewards.trained-model", tiny_reward_model, "--output-dir", root))
+    return engine, root
+
+
+@pytest.mark.slow
+def test_stage2_under_the_engine_trains_as_ddp_does(engine_run, ddp_runs):
+    engine, root = engine_run
+    assert_same_metrics(ddp_runs / "p" / "metrics.jsonl", root / "metrics.jsonl")
+    assert_same_tensors(ddp_runs / "p" / "policy" / "model.safetensors", root / "policy" / "model.safetensors")
+    assert_same_tensors(
+        ddp_runs / "p" / "policy" / "value_head.safetensors", root / "policy" / "value_head.safetensors"
+    )
+    # an ordinary transformers folder
+    AutoModelForCausalLM.from_pretrained(root / "policy")
+
+
+@pytest.mark.slow
+def test_the_engine_holds_a_share_of_ddps_state_per_process(engine_run, ddp_runs):
+    """Parameters (the frozen reference and reward model's too) and optimizer state held by the largest process,
+    from the shards on the ranks: about half of DDP's on two processes where parameters are sharded."""
+    engine, root = engine_run
+    ddp = read_metrics(ddp_runs / "p" / "metrics.jsonl")[-1]["memory/state_gib"]
+    sharded = read_metrics(root / "metrics.jsonl")[-1]["memory/state_gib"]
+    limit = 0.6 if sharding.is_sharded(engine) else 0.8
+    assert sharded <= limit * ddp, (engine, sharded, ddp)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ENGINES)
+def test_stage1_under_the_engine_trains_as_ddp_does(engine, ddp_runs, tmp_path):
+    """Training, the normalizations after it (gain and bias written into a sharded model) and the saved folder."""
+    run(launch(engine, "train_reward", "--task", "tiny", "--output-dir", str(tmp_path)))
+    assert_same_metrics(ddp_runs / "r" / "metrics.jsonl", tmp_path / "metrics.jsonl")
+    for name in ("model.safetensors", RewardModel.HEAD_FILE):
+        assert_same_tensors(ddp_runs / "r" / "reward_model" / name, tmp_path / "reward_model" / name)
+
+
+@pytest.mark.slow
+def test_a_killed_run_under_the_engine_resumes_to_the_same_weights(engine_run, tiny_reward_model, tmp_path):
+    engine, straight = engine_run
+    args = (
+        *STAGE2,
+        "--rewards.trained-model",
+        tiny_reward_model,
+        "--output-dir",
+        str(tmp_path),
+        "--save-interval",
+        "2",
+    )
+    process = subprocess.Popen(
+        launch(engine, "train_policy", *args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+    )
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and process.poll() is None:
+        if metrics.exists() and any(m["step"] == 3 for m in read_metrics(metrics)):
+            os.killpg(process.pid, signal.SIGKILL)  # the launcher and both ranks; the last checkpoint is update 2's
+            break
+        time.sleep(0.05)
+    process.wait(timeout=60)
+    assert process.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+
+    run(launch(engine, "train_policy", *args, "--resume"))
+    assert_same_tensors(straight / "policy" / "model.safetensors", tmp_path / "policy" / "model.safetensors")
+    assert [m["step"] for m in read_metrics(metrics)] == list(range(1, 11))
+    saved = torch.load(tmp_path / "checkpoint" / "state.pt", weights_only=False)
+    assert saved["engine"] == engine
+
+
+@pytest.mark.parametrize(
+    "environment, words",
+    [
+        ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"}, "fsdp_version: 2"),
+        (
+            {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT"},
+            "fsdp_state_dict_type: FULL_STATE_DICT",
+        ),
+        (
+            {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_CPU_RAM_EFFICIENT_LOADING": "true"},
+            "fsdp_cpu_ram_efficient_loading",
+        ),
+        ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "1"}, "zero_stage: 2"),
+    ],
+)
+def test_a_config_the_library_cannot_honour_is_refused_by_name(monkeypatch, environment, words):
+    for key, value in environment.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(UserError, match=words):
+        sharding.requested_engine()
+
+
+def test_a_single_process_run_with_a_sharding_config_is_refused(tmp_path):
+    """Sharding over one process shards nothing: the run says so rather than training as if it did."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            os.path.join(CONFIGS, "fsdp2.yaml"),
+            "--num_processes",
+            "1",
+            "-m",
+            "lm_human_preference_details.train_policy",
+            "--task",
+            "tiny",
+            "--output-dir",
+            str(tmp_path),
+            *QUIET,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode != 0
+    assert "error: the accelerate config asks for FSDP2" in result.stderr, result.stderr[-2000:]
+    assert "--num_processes 2 or more" in result.stderr
+
+
+def test_a_reward_model_saved_with_scalar_gain_and_bias_still_loads(tmp_path):
+    """Folders saved before gain and bias had shape (1,) (a sharding engine splits along the first dimension)."""
+    from safetensors.torch import save_file
+
+    model = RewardModel.from_pretrained_lm("tiny")
+    with torch.no_grad():
+        model.gain.fill_(1.5)
+        model.bias.fill_(-0.25)
+    model.save(tmp_path)
+    head = load_file(tmp_path / RewardModel.HEAD_FILE)
+    head["gain"], head["bias"] = head["gain"].reshape(()), head["bias"].reshape(())  # as the older folders hold them
+    save_file(head, tmp_path / RewardModel.HEAD_FILE)
+    loaded = RewardModel.load(str(tmp_path))
+    assert loaded.gain_and_bias() == (1.5, -0.25)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    assert torch.equal(loaded(ids, pad_id=-1), model(ids, pad_id=-1))

@@ -13,7 +13,8 @@ from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-PROJECT, EXTRAS = "lm-human-preference-details", {"test", "offline", "grpo"}  # as tests/run.sh installs it
+# the extras tests/run.sh installs
+PROJECT, EXTRAS = "lm-human-preference-details", {"test", "offline", "grpo", "oai", "shard"}
 
 
 def applies(requirement: Requirement, extras: set[str]) -> bool:

@@ -191,22 +191,15 @@ def check_same_settings(saved: dict | None, current: dict, may_differ: set[str],
 
 
 def save(output_dir: str, accelerator, model, optimizer, loop_state: dict) -> None:
-    """All processes call this: each writes its RNG state, the main process the rest: the model's and the
-    optimizer's whole tensors, which under a sharding engine every process helps gather (`sharding`)."""
-    model_state = sharding.full_state_dict(accelerator, model)
-    optimizer_state = sharding.optimizer_state_dict(accelerator, model, optimizer)
+    """All processes call this: each writes its RNG state (and under DeepSpeed its ZeRO partition), the main process
+    the rest, with the model's and the optimizer's whole tensors, which under a sharding engine every process helps
+    gather (`sharding.save_training_state`)."""
     with staged(folder(output_dir), accelerator) as staging:
+        training_state = sharding.save_training_state(accelerator, model, optimizer, staging)
         torch.save(rng_state(accelerator.device), os.path.join(staging, f"rng_{accelerator.process_index}.pt"))
         if accelerator.is_main_process:
-            torch.save(
-                {
-                    "model": model_state,
-                    "optimizer": optimizer_state,
-                    "engine": sharding.engine_of(accelerator),
-                    "loop": loop_state,
-                },
-                os.path.join(staging, "state.pt"),
-            )
+            state = {**training_state, "engine": sharding.engine_of(accelerator), "loop": loop_state}
+            torch.save(state, os.path.join(staging, "state.pt"))
 
 
 def saved(output_dir: str, accelerator) -> bool:
@@ -233,15 +226,15 @@ def load(output_dir: str, accelerator, model, optimizer) -> dict:
             f"--resume: {path} was saved by {state['loop']['world_size']} processes; resume it with as many, "
             f"not {accelerator.num_processes} (each process's query stream and RNG state belong to its rank)"
         )
-    saved_under, engine = state.get("engine", "ddp"), sharding.engine_of(accelerator)
-    if (saved_under == "fsdp2") != (engine == "fsdp2"):  # the optimizer's state is keyed by names, not numbers
+    engine = sharding.engine_of(accelerator)
+    saved_under = state.get("engine", engine if engine in ("single", "ddp") else "ddp")  # (older: always DDP's)
+    if saved_under != engine:  # each engine's optimizer state has its own form: keyed by names, or in partitions
         raise UserError(
             f"--resume: {path} was saved under {sharding.ENGINE_NAMES[saved_under]}; resume it under the same engine "
             f"(the accelerate config it was launched with), not {sharding.ENGINE_NAMES[engine]}"
         )
     rng_path = os.path.join(path, f"rng_{accelerator.process_index}.pt")
-    sharding.load_full_state_dict(accelerator, model, state["model"])
-    sharding.load_optimizer_state_dict(accelerator, model, optimizer, state["optimizer"])
+    sharding.load_training_state(accelerator, model, optimizer, path, state)
     set_rng_state(load_or_explain(rng_path, load_onto_cpu, damaged(path)), accelerator.device)
     return state["loop"]
 

@@ -8,14 +8,17 @@ back to DDP in silence, so `make_accelerator` switches it to the engine the conf
 processes over gloo run the same code as a GPU cluster) and refuses a config it cannot honour.
 
 What a stage does differently under a sharding engine, each the way the engine's documentation does it:
-- `prepare`: the trained model and its optimizer (accelerate's own `prepare`);
+- `prepare`: the trained model and its optimizer (accelerate's own `prepare`; under DeepSpeed the engine counts the
+  loop's micro-batches itself, so that K of them make one update, as under DDP);
 - `prepare_frozen`: the reference policy and reward model, sharded (FSDP2's `fully_shard` through accelerate, a
   ZeRO-3 inference engine) or replicated, by the stage's choice;
 - `gathered`: the parameters whole for a rollout, which calls the LM token by token outside the model's own
-  forward (FSDP2's forward hooks registered on the sampling method, once per rollout for ZeRO-3);
-- `full_state_dict` / `load_full_state_dict` and the optimizer's: the checkpoint holds whole tensors, as under
-  DDP, so a checkpoint is the same file whatever the engine that wrote it (accelerate's FULL_STATE_DICT), and the
-  final model is an ordinary transformers folder;
+  forward, gathered once for the whole rollout (FSDP2: hooks on the sampling method; ZeRO-3: DeepSpeed's
+  `unwrap_model_for_generation`);
+- `writing`: parameters written outside the optimizer (the reward model's gain and bias), into the shards;
+- `full_state_dict`: the whole tensors, from which the final model is an ordinary transformers folder;
+- `save_training_state` / `load_training_state`: a checkpoint's model and optimizer, whole tensors under DDP and
+  FSDP2 (accelerate's FULL_STATE_DICT), each process's ZeRO partition under DeepSpeed (accelerate's `save_state`);
 - `local_state_bytes`: what this process holds of parameters and optimizer state, to show the sharding.
 """
 
@@ -69,6 +72,11 @@ def requested_engine() -> Engine | None:
                 f"the accelerate config asks for DeepSpeed ZeRO stage {stage}; this library trains with ZeRO-2 or "
                 "ZeRO-3: set `zero_stage: 2` or `3` in its deepspeed_config (configs/accelerate/zero2.yaml, zero3.yaml)"
             )
+        if os.environ.get("ACCELERATE_DEEPSPEED_ZERO3_INIT", "false").lower() == "true":
+            raise UserError(
+                "the accelerate config sets zero3_init_flag: true; every process loads the models whole here, and "
+                "the engine shards them: set it to false (configs/accelerate/zero3.yaml)"
+            )
         return "zero2" if stage == "2" else "zero3"
     return None
 
@@ -76,6 +84,11 @@ def requested_engine() -> Engine | None:
 def _deepspeed_config_file_stage(path: str) -> int | None:
     import json
 
+    if not os.path.isfile(path):
+        raise UserError(
+            f"the accelerate config's deepspeed_config_file {path} is not there from {os.getcwd()}: launch from the "
+            "folder it is relative to (the repository root for configs/accelerate/), or give its absolute path"
+        )
     with open(path) as f:
         return json.load(f).get("zero_optimization", {}).get("stage")
 
@@ -99,18 +112,29 @@ def make_accelerator():
     requested = requested_engine()
     if torch.cuda.is_available():
         accelerator = Accelerator()
+    elif requested in ("zero2", "zero3"):
+        # accelerate sets DeepSpeed up (over deepspeed.comm) only when not told cpu=True, and then finds no
+        # backend of its own without a GPU: named, gloo
+        from accelerate.utils import InitProcessGroupKwargs
+
+        accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
     else:
         accelerator = Accelerator(cpu=True)
-        if requested is not None and accelerator.num_processes == 1:
-            raise UserError(
-                f"the accelerate config asks for {ENGINE_NAMES[requested]}, which shards over processes, and this "
-                "run has one: launch with --num_processes 2 or more, or without the config"
-            )
-        if requested == "fsdp2":
+        if requested == "fsdp2" and accelerator.num_processes > 1:
             _fsdp2_on_cpu(accelerator)
-        elif requested in ("zero2", "zero3"):
-            _deepspeed_on_cpu(accelerator)
+    if requested is not None and accelerator.num_processes == 1:
+        raise UserError(
+            f"the accelerate config asks for {ENGINE_NAMES[requested]}, which shards over processes, and this "
+            "run has one: launch with --num_processes 2 or more, or without the config"
+        )
     used = engine_of(accelerator)
+    if used == "zero3":
+        # accelerate hands transformers the ZeRO-3 config whatever zero3_init_flag says, and `from_pretrained` then
+        # loads every model partitioned, unusable until an engine wraps it (a frozen model kept whole, stage 1's
+        # sampler): the models load whole, as the config asks, and the engines partition them
+        from transformers.integrations import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
     if requested is not None and used != requested:  # never a silent fallback to DDP
         raise UserError(
             f"the accelerate config asks for {ENGINE_NAMES[requested]} but accelerate set up {ENGINE_NAMES[used]}"
@@ -130,10 +154,6 @@ def _fsdp2_on_cpu(accelerator) -> None:
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
 
 
-def _deepspeed_on_cpu(accelerator) -> None:
-    raise UserError("DeepSpeed on the CPU is not wired in yet")
-
-
 def engine_of(accelerator) -> Engine:
     from accelerate.utils import DistributedType
 
@@ -149,12 +169,45 @@ def is_sharded(engine: Engine) -> bool:
     return engine in ("fsdp2", "zero3")
 
 
-def prepare(accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
-    """The trained model and its optimizer, prepared for the accelerator's engine (accelerate's `prepare`).
+def prepare(
+    accelerator,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batch_size: int,
+    gradient_accumulation_steps: int = 1,
+):
+    """The trained model and its optimizer, prepared for the accelerator's engine (accelerate's `prepare`). The
+    stages' loop is the same under every engine: `gradient_accumulation_steps` times `accelerator.backward(loss /
+    K)` over micro-batches of `micro_batch_size` (per process), then `optimizer.step(); optimizer.zero_grad()`.
 
-    Under FSDP2 each transformer block is a shard group of its own (the LM's `_no_split_modules`, which the model
+    FSDP2: each transformer block is a shard group of its own (the LM's `_no_split_modules`, which the model
     passes on), and the model's `sample` method gathers as its forward does (`torch.distributed.fsdp.
-    register_fsdp_forward_method`): a rollout calls the LM outside the model's forward."""
+    register_fsdp_forward_method`): a rollout calls the LM outside the model's forward.
+    DeepSpeed: the engine steps our own torch optimizer (on its flat partitions); it needs the micro-batch size in
+    its config (no dataloader tells it), counts the micro-batches itself (`StepAfterEveryBackward`) and clips no
+    gradient (its default clips to norm 1, which OAI's PPO never does)."""
+    if engine_of(accelerator) in ("zero2", "zero3"):
+        from accelerate.utils.deepspeed import DeepSpeedEngineWrapper
+
+        class StepAfterEveryBackward(DeepSpeedEngineWrapper):
+            """`accelerator.backward` for a loop that divides its loss by K itself and accumulates K micro-batches
+            without `accelerator.accumulate`: accelerate's own wrapper would step the engine after every
+            micro-batch (outside `accumulate` each counts as the last) and DeepSpeed would divide the loss by K
+            again. Here the engine counts the micro-batches (its config's `gradient_accumulation_steps`):
+            `engine.step()` after each backward updates on every K-th."""
+
+            def backward(self, loss, sync_gradients=True, **kwargs):
+                self.engine.backward(loss, scale_wrt_gas=False, **kwargs)
+                self.engine.step()
+
+        config = accelerator.state.deepspeed_plugin.deepspeed_config
+        config["train_micro_batch_size_per_gpu"] = micro_batch_size
+        config["gradient_accumulation_steps"] = gradient_accumulation_steps
+        config["gradient_clipping"] = 0.0
+        config.pop("train_batch_size", None)  # "auto": the two above and the process count make it
+        model, optimizer = accelerator.prepare(model, optimizer)
+        accelerator.deepspeed_engine_wrapped = StepAfterEveryBackward(model)
+        return model, optimizer
     model, optimizer = accelerator.prepare(model, optimizer)
     if engine_of(accelerator) == "fsdp2":
         _register_sample(model)
@@ -179,17 +232,38 @@ def prepare_frozen(accelerator, model: torch.nn.Module, shard: bool) -> torch.nn
         from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
         model = fsdp2_prepare_model(accelerator, model)
+        # back into shards after every forward, the root and the output layer too: accelerate keeps those whole
+        # until the backward, which a frozen model never runs
+        model.set_reshard_after_forward(True)
         _register_sample(model)
         return model
-    raise UserError(f"a sharded frozen model under {ENGINE_NAMES[engine]} is not wired in yet")
+    # ZeRO-3: an inference engine of its own (as TRL's `prepare_deepspeed`), not through accelerate's `prepare`,
+    # whose second engine would replace the one `accelerator.backward` steps
+    import copy
+
+    import deepspeed
+
+    config = copy.deepcopy(accelerator.state.deepspeed_plugin.deepspeed_config)
+    config.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1)  # required, unused without steps
+    for key in ("train_batch_size", "optimizer", "scheduler", "zero_allow_untested_optimizer"):
+        config.pop(key, None)
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    return engine
 
 
 @contextlib.contextmanager
 def gathered(accelerator, model: torch.nn.Module) -> Iterator[None]:
     """The model's parameters whole on every process for a rollout: each is gathered once for the whole rollout,
-    not once per sampled token (FSDP2: its blocks stay unsharded after their forward until the block ends)."""
+    not once per sampled token (FSDP2: its blocks stay unsharded after their forward until the block ends; ZeRO-3:
+    DeepSpeed's `unwrap_model_for_generation`, which also lifts its hooks that would release them after each)."""
     from torch.distributed.fsdp import FSDPModule
 
+    if engine_of(accelerator) == "zero3":
+        import deepspeed
+
+        with deepspeed.zero.unwrap_model_for_generation(model):
+            yield
+        return
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not units:
         yield
@@ -206,15 +280,26 @@ def gathered(accelerator, model: torch.nn.Module) -> Iterator[None]:
                 m.reshard()
 
 
-def reshard(model: torch.nn.Module) -> None:
-    """Put a sharded model's parameters back into their shards: FSDP2 keeps the root's whole after a forward, until
-    its backward, and a write into a whole parameter (the reward model's gain and bias) would not reach the shards
-    the next forward gathers from. A no-op for an unsharded model."""
-    from torch.distributed.fsdp import FSDPModule
+@contextlib.contextmanager
+def writing(accelerator, model: torch.nn.Module, parameters: list[torch.Tensor]) -> Iterator[None]:
+    """`parameters` of `model` whole and writable on every process, the writes reaching the shards that later
+    forwards gather from (every process enters it and writes the same values). FSDP2 keeps the root's parameters
+    whole after a forward until its backward, and a write there would be lost: they are put back into their shards
+    (DTensors, written shard by shard). ZeRO-3 gathers them and spreads the main process's values after."""
+    engine = engine_of(accelerator) if accelerator is not None else "single"
+    if engine == "zero3":
+        import deepspeed
 
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
+        with deepspeed.zero.GatheredParameters(parameters, modifier_rank=0):
+            yield
+        return
+    if engine == "fsdp2":
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+    yield
 
 
 def _reshards_after_forward(module) -> bool:
@@ -226,57 +311,88 @@ def _reshards_after_forward(module) -> bool:
 def full_state_dict(accelerator, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's whole tensors on the CPU (on the main process; the others get what the engine gives them, maybe
     nothing). Every process calls it: under a sharding engine it gathers."""
-    if not is_sharded(engine_of(accelerator)):
-        return {k: v.detach().cpu() for k, v in accelerator.unwrap_model(model).state_dict().items()}
-    return accelerator.get_state_dict(model)
+    engine = engine_of(accelerator)
+    if engine == "fsdp2":
+        return accelerator.get_state_dict(model)
+    module = accelerator.unwrap_model(model)
+    gather = contextlib.nullcontext()
+    if engine == "zero3":  # exact float32 (accelerate's `get_state_dict` gathers 16-bit weights under ZeRO-3)
+        import deepspeed
+
+        gather = deepspeed.zero.GatheredParameters(list(module.parameters()))
+    with gather:
+        if not accelerator.is_main_process:
+            return {}
+        return {k: v.detach().to("cpu", copy=engine == "zero3") for k, v in module.state_dict().items()}
 
 
-def load_full_state_dict(accelerator, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Put whole tensors (`full_state_dict`'s, read on every process) into the model, each process taking its
-    shard."""
-    if engine_of(accelerator) == "fsdp2":
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
-        return
-    accelerator.unwrap_model(model).load_state_dict(state)
-
-
-def optimizer_state_dict(accelerator, model, optimizer) -> dict:
-    """The optimizer's state as whole tensors on the CPU (on the main process; every process calls it)."""
-    if engine_of(accelerator) == "fsdp2":
+def save_training_state(accelerator, model, optimizer, folder: str) -> dict:
+    """Write what a checkpoint needs of `model` and `optimizer` into `folder` (every process calls it); returns
+    what the main process adds to the checkpoint's state file. DDP, FSDP2: the whole tensors, in the state file
+    (FSDP2's optimizer state keyed by parameter names, torch's distributed-checkpoint form). DeepSpeed: each
+    process's ZeRO partition, written by the engine (accelerate's `save_state`) into `folder`/engine."""
+    engine = engine_of(accelerator)
+    if engine in ("zero2", "zero3"):
+        accelerator.save_state(os.path.join(folder, "engine"))
+        return {}
+    model_state = full_state_dict(accelerator, model)
+    if engine == "fsdp2":
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_optimizer_state_dict(model, _torch_optimizer(optimizer), options=options)
-    return optimizer.state_dict()
+        whole = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return {"model": model_state, "optimizer": get_optimizer_state_dict(model, optimizer.optimizer, options=whole)}
+    return {"model": model_state, "optimizer": optimizer.state_dict()}
 
 
-def load_optimizer_state_dict(accelerator, model, optimizer, state: dict) -> None:
-    """Put `optimizer_state_dict`'s whole tensors (read on every process) into the optimizer."""
-    if engine_of(accelerator) == "fsdp2":
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+def load_training_state(accelerator, model, optimizer, folder: str, state: dict) -> None:
+    """Restore what `save_training_state` wrote into `folder` and returned (`state`, read on every process)."""
+    engine = engine_of(accelerator)
+    if engine in ("zero2", "zero3"):
+        accelerator.load_state(os.path.join(folder, "engine"))
+        return
+    if engine == "fsdp2":
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         options = StateDictOptions(full_state_dict=True)
-        set_optimizer_state_dict(model, _torch_optimizer(optimizer), state, options=options)
+        set_model_state_dict(model, state["model"], options=options)
+        set_optimizer_state_dict(model, optimizer.optimizer, state["optimizer"], options=options)
         return
-    optimizer.load_state_dict(state)
-
-
-def _torch_optimizer(optimizer):
-    return getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper holds the torch optimizer
+    accelerator.unwrap_model(model).load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
 
 
 def local_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
-    """Bytes of parameters and optimizer state this process holds (its shards under a sharding engine)."""
+    """Bytes of parameters and optimizer state this process holds, each tensor's memory counted once: an FSDP2
+    parameter's local shard, a ZeRO-3 parameter's partition (and its whole tensor while gathered or kept whole:
+    DeepSpeed keeps tensors below `stage3_param_persistence_threshold` elements whole on every process), ZeRO's
+    float32 master partitions (a copy it keeps even in float32 training) and the optimizer's own state."""
+    seen = set()
 
-    def local(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    def nbytes(tensors) -> int:
+        total = 0
+        for t in tensors:
+            if t is None or not torch.is_tensor(t):
+                continue
+            t = t.to_local() if hasattr(t, "to_local") else t  # an FSDP2 DTensor: this process's shard
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
+            if t.numel() == 0 or key in seen:
+                continue
+            seen.add(key)
+            total += t.numel() * t.element_size()
+        return total
 
-    total = sum(local(p).numel() * p.element_size() for p in model.parameters())
+    module = getattr(model, "module", model)  # a DeepSpeed engine's or DDP's module
+    total = nbytes(t for p in module.parameters() for t in (getattr(p, "ds_tensor", None), p.data))
     if optimizer is not None:
-        for state in _torch_optimizer(optimizer).state.values():
-            total += sum(local(v).numel() * v.element_size() for v in state.values() if torch.is_tensor(v))
+        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper: a ZeRO optimizer or ours
+        zero_partitions = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat")
+        total += nbytes(t for name in zero_partitions for t in getattr(inner, name, []))
+        base = getattr(inner, "optimizer", inner)  # a ZeRO optimizer steps ours
+        total += nbytes(v for state in base.state.values() for v in state.values())
     return total
 
 

@@ -338,7 +338,7 @@ def train(
     sampler = hooks.query_sampler(
         args.task, tokenizer, batch_size=per_process, seed=args.task.query_seed, rank=rank, world_size=world
     )
-    model, optimizer = sharding.prepare(accelerator, policy, optimizer)
+    model, optimizer = sharding.prepare(accelerator, policy, optimizer, micro_batch, p.gradient_accumulation_steps)
 
     start_update = 1
     if args.resume:

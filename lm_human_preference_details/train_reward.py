@@ -152,8 +152,9 @@ def normalize(reward_model, measure, debug_samples: int, tracker: Tracker, step:
     # OAI: lm_human_preferences/train_reward.py#L207-L219 (normalize)
     # OAI: lm_human_preferences/rewards.py#L77-L89 (set_reward_norm)
     """
-    sharding.reshard(reward_model)  # gain and bias are written below: into the shards a sharded model gathers from
-    reward_model.reset_reward_scale()
+    gain_and_bias = [reward_model.gain, reward_model.bias]  # written into the shards a sharded model gathers from
+    with sharding.writing(accelerator, reward_model, gain_and_bias):
+        reward_model.reset_reward_scale()
     mean, std = measure(None)
     # OAI: lm_human_preferences/train_reward.py#L182-L186 asserts them finite
     if not (math.isfinite(mean) and math.isfinite(std) and std > 0):
@@ -161,9 +162,9 @@ def normalize(reward_model, measure, debug_samples: int, tracker: Tracker, step:
             f"normalize {when}: the reference samples' rewards have mean {mean} and std {std}; gain and bias "
             "need a finite mean and a std above 0 (a reward model that diverged, or scores every sample alike)"
         )
-    sharding.reshard(reward_model)
-    reward_model.set_reward_norm(old_mean=mean, old_std=std, new_mean=0.0, new_std=1.0)
-    gain, bias = reward_model.gain_and_bias()
+    with sharding.writing(accelerator, reward_model, gain_and_bias):
+        reward_model.set_reward_norm(old_mean=mean, old_std=std, new_mean=0.0, new_std=1.0)
+        gain, bias = reward_model.gain_and_bias()
     stats = {f"norm/{when}/mean": mean, f"norm/{when}/std": std, f"norm/{when}/gain": gain, f"norm/{when}/bias": bias}
     if debug_samples:
         stats[f"norm/{when}/check_mean"], stats[f"norm/{when}/check_std"] = measure(debug_samples)
@@ -263,7 +264,9 @@ def train(args: Args, accelerator: Accelerator, hooks: StageHooks | None = None)
         normalize(reward_model, measure, args.debug_normalize, tracker, 0, "before", accelerator)
 
     optimizer = make_optimizer(args.optimizer, reward_model.parameters(), args.lr, args.adam_eps)
-    model, optimizer = sharding.prepare(accelerator, reward_model, optimizer)
+    model, optimizer = sharding.prepare(
+        accelerator, reward_model, optimizer, args.batch_size // accelerator.num_processes
+    )
     # one shuffle shared by all processes, so each label is trained on exactly once
     # OAI: lm_human_preferences/train_reward.py#L240-L241
     order = hooks.permutation(args.labels.num_train, generator=torch.Generator().manual_seed(args.seed))

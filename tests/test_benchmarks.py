@@ -512,3 +512,35 @@ def test_grpo_speed_times_generation_alone_on_a_real_server_over_http(tmp_path, 
     assert row["tokens_per_s"] == pytest.approx(row["tokens"] / row["seconds"]) and row["seconds"] > 0
     assert row["decode_batch_mean"] > 1  # the requests' samples were decoded together
     assert "serving" in (tmp_path / "generation" / "tiny" / "home" / "server.log").read_text()
+
+
+@pytest.mark.slow
+def test_sharding_memory_puts_each_engine_beside_ddp_and_fsdp2_holds_at_most_06x_its_state(tmp_path, capsys):
+    """benchmarks/sharding_memory.py on the tiny preset, every engine whose accelerate config is there: a row each
+    with its ratios to DDP. ZeRO-3 with every tensor sharded, as tests/test_sharding.py runs it (DeepSpeed keeps
+    the tiny model's tensors, all below `stage3_param_persistence_threshold`, whole on every process)."""
+    bench = load_script("sharding_memory")
+    engines = [e for e in ("fsdp2", "zero2", "zero3") if os.path.isfile(os.path.join(bench.CONFIGS, f"{e}.yaml"))]
+    argv = ["--task", "tiny", "--engines", "ddp", *engines, "--zero3-persistence-threshold", "0"]
+    results = bench.main([*argv, "--out-dir", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert list(results) == ["ddp", *engines]
+    ddp = results["ddp"]
+    for engine, r in results.items():
+        assert "error" not in r, (engine, r)
+        assert r["state_gib"] > 0 and r["peak_gib"] > 0.1 and r["s_per_update"] > 0, engine
+        assert len(r["runs"][0]["times"]) == 2, engine  # 3 updates, the first not timed
+        ratios = (
+            f"{r['state_gib'] / ddp['state_gib']:.3f}x | {r['peak_gib']:.2f} | {r['peak_gib'] / ddp['peak_gib']:.2f}x"
+        )
+        assert f"| {engine} | {r['state_gib']:.3f} | {ratios} |" in printed, engine
+    assert "| ddp | " in printed and "| 1.000x |" in printed
+    assert results["fsdp2"]["state_gib"] <= 0.6 * ddp["state_gib"]
+    if "zero2" in results:  # parameters whole, optimizer state halved
+        assert results["zero2"]["state_gib"] <= 0.95 * ddp["state_gib"]
+    if "zero3" in results:
+        # parameters and Adam's state halved, and ZeRO's float32 master partition (a copy even in float32 training)
+        # on top: 3/5 of DDP's 5 copies of the policy's size, plus the partitions' alignment padding
+        assert results["zero3"]["state_gib"] <= 0.601 * ddp["state_gib"]
+    assert (tmp_path / "results.md").read_text() in printed
+    assert not (tmp_path / "runs" / "ddp_0" / "checkpoint").exists()  # GiBs on a real model: deleted once read

@@ -381,6 +381,7 @@ def test_chat_prompts_go_one_request_per_problem_through_the_chat_template(tmp_p
             "error: --weight-backend nccl: the servers this launcher starts share the trainer's GPU",
         ),
         (["--threads", "-1"], "error: --threads must be >= 0, got -1"),
+        (["--trainer-processes", "0"], "error: --trainer-processes must be >= 1, got 0"),
         (["--num-problems", "-3"], "error: --num-problems must be >= 0, got -3"),
         (
             ["--loss-type", "ppo_clip", "--clip-eps-high", "0"],
@@ -482,6 +483,9 @@ def test_threads_default_to_the_cores_shared_by_the_processes_that_compute_at_on
         "trainer"
     ) == max(1, cores // 4)
     assert GRPOArgs(mode="sync", threads=3).torch_threads("server") == 3
+    # the trainer's processes compute side by side with the servers, and with each other
+    assert GRPOArgs(mode="pipeline", trainer_processes=3).torch_threads("trainer") == max(1, cores // 4)
+    assert GRPOArgs(mode="sync", trainer_processes=2).torch_threads("trainer") == max(1, cores // 2)
 
 
 def test_the_launcher_and_the_client_import_no_model_code():

@@ -247,7 +247,7 @@ def test_the_weights_go_to_the_servers_after_every_step_or_every_round_and_after
         def __init__(self, urls, backend, host):
             self.urls = urls
 
-        def push(self, model, version, dtype, bucket_bytes):
+        def push_tensors(self, parameters, version, dtype, bucket_bytes):
             pushed.append((version, dtype, bucket_bytes))
             return []
 
@@ -257,7 +257,7 @@ def test_the_weights_go_to_the_servers_after_every_step_or_every_round_and_after
         args = dataclasses.replace(get_preset("tiny"), mode=mode, sync_steps=4, steps=6, update_bucket_mb=0.5)
         servers = ServerUpdates(args, ["http://127.0.0.1:1"])
         pushed.clear()
-        times = [servers.push_if_due(None, version) for version in range(1, 7)]
+        times = [servers.push_if_due(torch.nn.Linear(1, 1), version) for version in range(1, 7)]
         assert [v for v, _, _ in pushed] == expected
         assert {(dtype, bucket_bytes) for _, dtype, bucket_bytes in pushed} == {(torch.bfloat16, 2**19)}
         assert all((t > 0) == (v in expected) for v, t in zip(range(1, 7), times))

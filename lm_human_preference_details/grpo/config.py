@@ -243,6 +243,11 @@ class GRPOArgs(RunArgs):
     # processes
     num_servers: int = 1
     """inference servers to start (each a process)"""
+    trainer_processes: int = 1
+    """trainer processes the launcher starts; more than one shard the policy, its gradients and optimizer state (and
+    the reference model) over them with FSDP2 (torch's `fully_shard` through accelerate, with the settings of
+    configs/accelerate/fsdp2.yaml), each training on its share of a step's micro-batches, the weights gathered whole
+    once per push to the servers"""
     servers: list[str] = field(default_factory=list)
     """URLs of servers already running (then launch starts none)"""
     engine: Engine = "auto"
@@ -279,10 +284,10 @@ class GRPOArgs(RunArgs):
     """address at which the servers reach the trainer for the weight broadcast"""
     threads: int = 0
     """torch CPU threads per process (server, trainer); 0: the cores shared among the processes that compute
-    at once. `pipeline`: the servers and the trainer run side by side, cores // (servers + 1) each (more
-    oversubscribes the cores, and threads that wait for each other's cores make every process slower). `sync`:
-    they take turns, so the trainer gets every core and the servers share them. Servers given with `--servers`
-    count as on this machine; pass `--threads` when they are not"""
+    at once. `pipeline`: the servers and the trainer's processes run side by side, cores // (servers +
+    trainer_processes) each (more oversubscribes the cores, and threads that wait for each other's cores make every
+    process slower). `sync`: they take turns, so the trainer's processes share every core and the servers do.
+    Servers given with `--servers` count as on this machine; pass `--threads` when they are not"""
     request_timeout_s: float = 300.0
     """a completion request taking longer is retried on another server; with no usable server for this long, the actor
     fails the run"""
@@ -367,8 +372,8 @@ class GRPOArgs(RunArgs):
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         servers = len(self.servers) or self.num_servers
         if self.mode == "pipeline":
-            return max(1, cores // (servers + 1))
-        return cores if role == "trainer" else max(1, cores // servers)
+            return max(1, cores // (servers + self.trainer_processes))
+        return max(1, cores // self.trainer_processes) if role == "trainer" else max(1, cores // servers)
 
     def check(self) -> None:
         """Sizes that must fit together; a UserError names the field and the fix."""
@@ -386,6 +391,7 @@ class GRPOArgs(RunArgs):
             "sync_steps",
             "steps_ahead",
             "num_servers",
+            "trainer_processes",
             "server_batch_size",
             "max_in_flight",
             "max_tokens",

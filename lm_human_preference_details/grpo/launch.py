@@ -4,7 +4,10 @@
     python -m lm_human_preference_details.grpo.launch --task tiny --mode sync --sync-steps 4 \\
         --output-dir runs/grpo-tiny-sync
 
-The run ends when the trainer has taken `--steps` optimizer steps. Every process it started is
+The run ends when the trainer has taken `--steps` optimizer steps. `--trainer-processes N` starts the trainer as N
+processes that shard the model with FSDP2 (over gloo on the CPU; the environment `accelerate launch --config_file
+configs/accelerate/fsdp2.yaml` would give them): the first sends the weights, logs and checkpoints, and one that
+fails ends the run. Every process it started is
 stopped when the run ends, when it fails, on Ctrl-C or SIGTERM, and (through a watchdog in each
 child) when the launcher itself is killed. A server that dies is tolerated while another serves;
 the actor retries its requests elsewhere. `--resume` continues from the last checkpoint.
@@ -26,6 +29,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -49,9 +53,13 @@ class RoleExited(RuntimeError):
     """The trainer or the actor ended while the servers were loading (its traceback is in the output above)."""
 
 
-def _role(name: str, args: GRPOArgs, server_urls: Connection, first_group: int, launcher: int) -> None:
-    """The trainer or the actor. It starts while the servers load (its imports and, for the trainer, its
-    models take seconds) and receives their URLs from the launcher once they serve."""
+def _role(
+    name: str, args: GRPOArgs, server_urls: Connection, first_group: int, launcher: int, environment: dict[str, str]
+) -> None:
+    """The trainer (one of its processes: `trainer`, `trainer-1`, ...) or the actor, in this process's environment
+    and `environment` (a trainer process's place in its group). It starts while the servers load (its imports and,
+    for the trainer, its models take seconds) and receives their URLs from the launcher once they serve."""
+    os.environ.update(environment)  # before torch and accelerate are imported, which read it
     exit_with_parent(launcher)
     cli.quiet_transformers()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(message)s")
@@ -61,7 +69,7 @@ def _role(name: str, args: GRPOArgs, server_urls: Connection, first_group: int, 
     # what the user can fix (a problems file, a stream, a request the servers refuse) ends the role with one line
     user_facing: tuple[type[Exception], ...] = (cli.UserError, streams.StreamConnectionError)
     try:
-        if name == "trainer":
+        if name.startswith("trainer"):
             from lm_human_preference_details.grpo import trainer
 
             trainer.train_then_exit(args, wait_for_servers=server_urls.recv)
@@ -73,6 +81,40 @@ def _role(name: str, args: GRPOArgs, server_urls: Connection, first_group: int, 
     except user_facing as error:
         print(f"error: the {name}: {error}", file=sys.stderr, flush=True)
         exit_now(2)  # the trainer may have joined a gloo group, whose teardown at interpreter exit can abort
+
+
+FSDP2_ENVIRONMENT = {
+    "ACCELERATE_USE_FSDP": "true",
+    "FSDP_VERSION": "2",
+    "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
+    "FSDP_RESHARD_AFTER_FORWARD": "true",
+    "FSDP_OFFLOAD_PARAMS": "false",
+    "FSDP_CPU_RAM_EFFICIENT_LOADING": "false",
+    "FSDP_STATE_DICT_TYPE": "FULL_STATE_DICT",
+    "FSDP_ACTIVATION_CHECKPOINTING": "false",
+    "ACCELERATE_MIXED_PRECISION": "no",
+}
+"""what `accelerate launch --config_file configs/accelerate/fsdp2.yaml` gives each process of the trainer (a test
+keeps the two equal)"""
+
+
+def trainer_environments(processes: int) -> list[dict[str, str]]:
+    """The environment of each trainer process beyond the launcher's: none for one; for more, FSDP2's
+    (`FSDP2_ENVIRONMENT`) and each one's place in a process group of their own on this machine, as torchrun sets it."""
+    if processes == 1:
+        return [{}]
+    group = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(processes)}
+    return [
+        {**FSDP2_ENVIRONMENT, **group, "RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(processes)}
+        for rank in range(processes)
+    ]
+
+
+def free_port() -> int:
+    """A port nothing listens on now (the OS handed it out and it was closed again)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class ServerEngine:
@@ -212,16 +254,20 @@ class Run:
         log.info("servers up (%s): %s", self.engine.name, " ".join(self.server_urls))
 
     def start_roles(self, first_group: int) -> None:
-        """Start the trainer and the actor; they wait for `send_server_urls`."""
+        """Start the trainer's processes (`trainer`, then `trainer-1`, ...) and the actor; they wait for
+        `send_server_urls`."""
         context = multiprocessing.get_context("spawn")
-        for name in ("trainer", "actor"):
+        trainers = trainer_environments(self.args.trainer_processes)
+        roles = [("trainer" if rank == 0 else f"trainer-{rank}", env) for rank, env in enumerate(trainers)]
+        for name, environment in [*roles, ("actor", {})]:
             receive, send = context.Pipe(duplex=False)
             self.roles[name] = context.Process(
-                target=_role, name=name, args=(name, self.args, receive, first_group, os.getpid())
+                target=_role, name=name, args=(name, self.args, receive, first_group, os.getpid(), environment)
             )
             self.roles[name].start()
             receive.close()  # the child's copy is the one that reads
             self._send_server_urls.append(send)
+        log.info("started %s", ", ".join(f"{name} (pid {process.pid})" for name, process in self.roles.items()))
 
     def send_server_urls(self) -> None:
         for send in self._send_server_urls:
@@ -236,13 +282,15 @@ class Run:
                 raise RoleExited(f"the {name} exited with status {process.exitcode} while the servers were loading")
 
     def wait(self) -> None:
-        """Until the trainer is done; raises if the trainer or the actor fails or every server is gone."""
+        """Until every trainer process is done; raises if one of them or the actor fails or every server is gone."""
         while True:
-            trainer_process, actor_process = self.roles["trainer"], self.roles["actor"]
-            if trainer_process.exitcode is not None:
-                if trainer_process.exitcode != 0:
-                    raise RuntimeError(f"the trainer exited with status {trainer_process.exitcode}")
+            trainers = {name: p for name, p in self.roles.items() if name != "actor"}
+            for name, process in trainers.items():
+                if process.exitcode not in (None, 0):
+                    raise RuntimeError(f"the {name} exited with status {process.exitcode}")
+            if all(process.exitcode == 0 for process in trainers.values()):
                 return
+            actor_process = self.roles["actor"]
             if actor_process.exitcode not in (None, 0):
                 raise RuntimeError(f"the actor exited with status {actor_process.exitcode}")
             if self.servers and all(p.poll() is not None for p in self.servers):

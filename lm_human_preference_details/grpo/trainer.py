@@ -18,15 +18,26 @@ then pushes the new weights into the inference servers.
         log reward, success rate, lag (trainer version - token version), throughput, entropy, ESS
         every `save_interval` steps: checkpoint (model folder, optimizer, version, stream position)
 
-`train` is that loop; `GroupReader`, `accumulate_gradients`, `ServerUpdates`, `step_metrics` / `log_step` and
-`save_checkpoint` are its lines, `load_learner` what it starts from.
+`train` is that loop; `GroupReader`, `optimizer_step` (`accumulate_gradients`), `ServerUpdates`, `step_metrics` /
+`log_step` and `save_checkpoint` are its lines, `load_learner` what it starts from.
+
+`--trainer-processes N` (N > 1): N processes run that loop, with the policy, its gradients and optimizer state and
+the reference sharded over them by FSDP2 (`sharding`). Each reads every group of a step from the stream and runs
+the forward and backward passes of every N-th micro-batch, all of them as many passes (the collectives need every
+process); the gradients are reduced once, after the last pass, and the stats over every process. For a push the
+whole weights are gathered once (every process joins) and the first process sends them; it alone logs, and it
+writes the checkpoint from the gathered weights and optimizer state (whole tensors, which a resume shards again).
 
 Run alone against servers and an actor already running:
 `python -m lm_human_preference_details.grpo.trainer --task tiny --servers http://127.0.0.1:8000 --output-dir DIR`
+(sharded: under `accelerate launch --config_file configs/accelerate/fsdp2.yaml --num_processes N`, with
+`--trainer-processes N`)
 """
 
+import contextlib
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -36,12 +47,11 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from lm_human_preference_details import checkpoint, cli
+from lm_human_preference_details import checkpoint, cli, sharding
 from lm_human_preference_details.grpo.client import check_serving
 from lm_human_preference_details.grpo.config import PRESETS, GRPOArgs, get_preset
 from lm_human_preference_details.grpo.lifetime import exit_now
 from lm_human_preference_details.grpo.loss import (
-    effective_sample_size,
     group_advantages,
     linear_decay,
     policy_loss,
@@ -217,103 +227,152 @@ def loss_rows(groups: list[dict], args: GRPOArgs, rewards: torch.Tensor) -> dict
 
 
 def accumulate_gradients(
-    model, reference, groups: list[dict], rewards: torch.Tensor, args: GRPOArgs, vocab_size: int, step: int = 0
+    model,
+    reference,
+    groups: list[dict],
+    rewards: torch.Tensor,
+    args: GRPOArgs,
+    vocab_size: int,
+    step: int = 0,
+    accelerator=None,
 ) -> dict[str, float]:
     """One optimizer step's gradients, added into the parameters' `.grad` micro-batch by micro-batch (`pack`):
     the gradient of the whole step's loss (summed over its tokens, divided by its number of sequences or
     `loss_normalizer`'s count), however the groups are packed. `rewards`: one per sample, in `flatten_groups` order;
     `step`: optimizer steps completed before this one (where the KL and entropy schedules are). Returns the step's
     stats: `policy_loss`'s as token-weighted means, the entropy, the coefficients, and over all its tokens the
-    maxima and the ESS of the raw ratio and of the capped weight."""
+    maxima and the ESS of the raw ratio and of the capped weight.
+
+    Under several trainer processes (`accelerator`; each called with the whole step's groups) each process takes
+    every n-th micro-batch, and all run as many forward/backward passes, a process short of one repeating a
+    micro-batch at weight 0 (FSDP2 gathers and reduces in every pass, which every process must join); gradients are
+    reduced once, after the last pass, and the stats are over every process's tokens."""
+    processes, rank = (accelerator.num_processes, accelerator.process_index) if accelerator else (1, 0)
     num_sequences = len(rewards)
     rows = {k: v.to(model.device) for k, v in loss_rows(groups, args, rewards).items()}
     kept_tokens = sum(len(s["completion_ids"]) for s, k in zip(flatten_groups(groups), rows["kept"].tolist()) if k)
     kl_coef, entropy_coef = coefficients(args, step)
-    stats_sum: dict[str, float] = {}
-    entropy_sum = tokens = tokens_in_loss = 0.0
-    # pi/mu and the capped weight of every completion token: their max and ESS are over the batch
-    ratios, capped_weights = [], []
-    for indices in pack(groups, args.token_budget):
+    micro_batches = pack(groups, args.token_budget)
+    mine = micro_batches[rank::processes]
+    passes = -(-len(micro_batches) // processes)
+    # per process, then over all of them: token-weighted stat sums, token counts, and for the raw ratio pi/mu and the
+    # capped weight of every completion token their sums, sums of squares and counts (the batch's ESS) and maxima
+    sums: dict[str, float] = {}
+    maxima: dict[str, float] = {}
+
+    def add(totals: dict[str, float], key: str, value: float, combine=lambda a, b: a + b) -> None:
+        totals[key] = combine(totals[key], value) if key in totals else value
+
+    for i in range(passes):
+        share = 1.0 if i < len(mine) else 0.0  # 0: a filler pass, for the collectives only
+        indices = mine[i] if share else micro_batches[0]
         batch = batch_tensors(groups, indices, model.device)
-        new_logprobs, entropy = token_logprobs(
-            model, batch, args.temperature, vocab_size, entropy_grad=entropy_coef != 0
-        )
-        ref_logprobs = token_logprobs(reference, batch, args.temperature, vocab_size)[0].detach() if reference else None
-        mask = batch["mask"] * rows["kept"][batch["rows"], None]
-        loss, stats = policy_loss(
-            new_logprobs,
-            batch["behaviour"],
-            rows["policy_weights"][batch["rows"]],
-            mask,
-            num_sequences=num_sequences,
-            loss_type=args.loss_type,
-            ratio_cap=args.ratio_cap,
-            clip_eps=args.clip_eps,
-            clip_eps_high=args.clip_eps_high,
-            ref_logprobs=ref_logprobs,
-            kl_coef=kl_coef,
-            kl_clamp=args.kl_clamp,
-            entropy=entropy,
-            entropy_coef=entropy_coef,
-            importance_sampling=args.importance_sampling,
-            weights=None
-            if args.loss_normalizer == "sequences"
-            else token_weights(
+        last = i == passes - 1
+        with accelerator.no_sync(model) if accelerator and not last else contextlib.nullcontext():
+            new_logprobs, entropy = token_logprobs(
+                model, batch, args.temperature, vocab_size, entropy_grad=entropy_coef != 0
+            )
+            ref_logprobs = (
+                token_logprobs(reference, batch, args.temperature, vocab_size)[0].detach() if reference else None
+            )
+            mask = batch["mask"] * rows["kept"][batch["rows"], None]
+            loss, stats = policy_loss(
+                new_logprobs,
+                batch["behaviour"],
+                rows["policy_weights"][batch["rows"]],
                 mask,
-                args.loss_normalizer,
-                num_sequences,
-                num_tokens=kept_tokens,
-                max_tokens=args.max_tokens,
-                group_tokens=rows["group_tokens"][batch["rows"]],
-            ),
-        )
-        loss.backward()
-        n = float(mask.sum())
+                num_sequences=num_sequences,
+                loss_type=args.loss_type,
+                ratio_cap=args.ratio_cap,
+                clip_eps=args.clip_eps,
+                clip_eps_high=args.clip_eps_high,
+                ref_logprobs=ref_logprobs,
+                kl_coef=kl_coef,
+                kl_clamp=args.kl_clamp,
+                entropy=entropy,
+                entropy_coef=entropy_coef,
+                importance_sampling=args.importance_sampling,
+                weights=None
+                if args.loss_normalizer == "sequences"
+                else token_weights(
+                    mask,
+                    args.loss_normalizer,
+                    num_sequences,
+                    num_tokens=kept_tokens,
+                    max_tokens=args.max_tokens,
+                    group_tokens=rows["group_tokens"][batch["rows"]],
+                ),
+            )
+            # FSDP2 averages the processes' gradients, and the step's is their sum
+            (loss * (share * processes) if processes > 1 else loss).backward()
+        n = float(mask.sum()) * share
         for k, v in stats.items():  # token-weighted means over the micro-batches
-            stats_sum[k] = stats_sum.get(k, 0.0) + float(v) * n
-        entropy_sum += float((entropy.detach() * batch["mask"]).sum())
+            add(sums, f"stat:{k}", float(v) * n)
+        add(sums, "entropy", float((entropy.detach() * batch["mask"]).sum()) * share)
+        add(sums, "tokens", float(batch["mask"].sum()) * share)
+        add(sums, "tokens_in_loss", n)
         on_tokens = batch["mask"].bool()
         log_ratio = new_logprobs.detach() - batch["behaviour"]
-        ratios.append(log_ratio.exp()[on_tokens])
+        weights = {"ratio": log_ratio.exp()[on_tokens]}
         if args.loss_type == "reinforce":
-            capped_weights.append(
-                reinforce_weights(log_ratio, batch["mask"], args.ratio_cap, args.importance_sampling)[0][on_tokens]
-            )
-        tokens += float(batch["mask"].sum())
-        tokens_in_loss += n
-    ratios = torch.cat(ratios)
-    batch_wide = {
-        "ratio/max": ratios.max().item(),
-        "ess": effective_sample_size(ratios, torch.ones_like(ratios)).item(),
-    }
-    if capped_weights:
-        capped = torch.cat(capped_weights)
-        batch_wide |= {
-            "weight/max": capped.max().item(),
-            "weight/ess": effective_sample_size(capped, torch.ones_like(capped)).item(),
-        }
+            weights["weight"] = reinforce_weights(log_ratio, batch["mask"], args.ratio_cap, args.importance_sampling)[
+                0
+            ][on_tokens]
+        for name, w in weights.items():
+            w = w.double()
+            add(sums, f"{name}:sum", float(w.sum()) * share)
+            add(sums, f"{name}:squares", float(w.square().sum()) * share)
+            add(sums, f"{name}:count", w.numel() * share)
+            add(maxima, f"{name}/max", float(w.max()) if share and w.numel() else -math.inf, max)
+    sums, maxima = over_processes(sums, "sum", accelerator), over_processes(maxima, "max", accelerator)
+    batch_wide = {}
+    for name, ess in (("ratio", "ess"), ("weight", "weight/ess")):
+        if f"{name}:sum" in sums:
+            squares = sums[f"{name}:count"] * sums[f"{name}:squares"]
+            batch_wide |= {
+                f"{name}/max": maxima[f"{name}/max"],
+                ess: sums[f"{name}:sum"] ** 2 / squares if squares > 0 else 0.0,  # `effective_sample_size`'s
+            }
     return {
-        **{k: v / max(tokens_in_loss, 1.0) for k, v in stats_sum.items()},  # a batch all cut by overlong filtering: 0
-        "entropy": entropy_sum / tokens,
+        # a batch all cut by overlong filtering: 0
+        **{k[len("stat:") :]: v / max(sums["tokens_in_loss"], 1.0) for k, v in sums.items() if k.startswith("stat:")},
+        "entropy": sums["entropy"] / sums["tokens"],
         "kl/coef": kl_coef,
         "entropy/coef": entropy_coef,
         **batch_wide,
     }
 
 
+def over_processes(values: dict[str, float], op: str, accelerator) -> dict[str, float]:
+    """`values` summed (`op` "sum") or maxed ("max") over the trainer's processes (as they are, for one); every
+    process calls it with the same keys."""
+    if accelerator is None or accelerator.num_processes == 1:
+        return values
+    mine = torch.tensor(list(values.values()), dtype=torch.float64, device=accelerator.device)
+    return dict(zip(values, accelerator.reduce(mine, op).tolist()))
+
+
 def train(args: GRPOArgs, wait_for_servers: Callable[[], list[str]]) -> None:
     """Train until `args.steps`; `wait_for_servers()` returns the servers' URLs once they serve (the
-    launcher starts the trainer while they load: models and optimizer are ready by then)."""
+    launcher starts the trainer while they load: models and optimizer are ready by then).
+
+    With `--trainer-processes` over 1, every process runs this (started by the launcher, or by `accelerate launch`
+    with configs/accelerate/fsdp2.yaml): each reads the whole stream and trains on its share of each step, and only
+    the main one sends weights to the servers, logs and writes checkpoints."""
     torch.manual_seed(args.seed)
-    torch.set_num_threads(args.torch_threads("trainer"))
-    learner = load_learner(args)
+    accelerator = trainer_accelerator(args)
+    torch.set_num_threads(args.torch_threads("trainer"))  # after accelerate, which sets a share of its own
+    learner = load_learner(args, accelerator)
     model, optimizer, version = learner.model, learner.optimizer, learner.version
+    main = accelerator is None or accelerator.is_main_process
     server_urls = wait_for_servers()
     # once the servers serve: a run whose servers never started leaves no wandb run or metrics behind
-    tracker = Tracker.for_run(args, f"grpo_{args.mode}", resume_after_step=version if args.resume else None)
-    servers = ServerUpdates(args, server_urls)
+    tracker = Tracker.for_run(
+        args, f"grpo_{args.mode}", accelerator, resume_after_step=version if args.resume else None
+    )
+    servers = ServerUpdates(args, server_urls, sends=main)
     # with no server left to update, no samples would ever come: checked while waiting for them
-    stream = GroupReader(args, start=learner.stream_position, while_waiting=servers.sender.check)
+    stream = GroupReader(args, start=learner.stream_position, while_waiting=servers.check)
     timer = StepTimer()
     while version < args.steps:
         timer.waiting_for_data()
@@ -321,20 +380,55 @@ def train(args: GRPOArgs, wait_for_servers: Callable[[], list[str]]) -> None:
         timer.training()
         samples = flatten_groups(groups)
         rewards = torch.tensor([s["reward"] for s in samples])
-        stats = accumulate_gradients(model, learner.reference, groups, rewards, args, learner.vocab_size, step=version)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        stats, grad_norm = optimizer_step(learner, groups, rewards, args, version, accelerator)
         version += 1
-        push_s = servers.push_if_due(model, version)
+        push_s = servers.push_if_due(model, version, accelerator)
         times = timer.step_done(push_s)
-        metrics = step_metrics(samples, rewards, version, grad_norm.item(), times, servers.sender.last_broadcast_s)
-        log_step(tracker, args, version, samples, {**metrics, **stats})
+        if accelerator is not None:  # what the largest process holds: a share of the model, not all of it
+            stats |= sharding.memory_stats(accelerator, model, optimizer, *filter(None, [learner.reference]))
+        if main:
+            metrics = step_metrics(samples, rewards, version, grad_norm, times, servers.last_broadcast_s)
+            log_step(tracker, args, version, samples, {**metrics, **stats})
         if args.due(args.save_interval, version):
-            save_checkpoint(args, model, learner.tokenizer, optimizer, version, stream.position)
-    servers.sender.wait()
+            save_checkpoint(args, model, learner.tokenizer, optimizer, version, stream.position, accelerator)
+    servers.wait()
     stream.close()
     tracker.finish()
+
+
+def optimizer_step(
+    learner: "Learner", groups: list[dict], rewards: torch.Tensor, args: GRPOArgs, version: int, accelerator=None
+) -> tuple[dict[str, float], float]:
+    """The step after `version` on its groups (`accumulate_gradients`, the gradient clipped, the optimizer's step);
+    returns the step's stats and its gradient norm before clipping."""
+    model = learner.model
+    stats = accumulate_gradients(
+        model, learner.reference, groups, rewards, args, learner.vocab_size, step=version, accelerator=accelerator
+    )
+    if accelerator is None:
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+    else:  # the norm over every process's shards of the gradients
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.grad_clip)
+    learner.optimizer.step()
+    learner.optimizer.zero_grad(set_to_none=True)
+    return stats, grad_norm.item()
+
+
+def trainer_accelerator(args: GRPOArgs):
+    """The accelerator of a trainer of several processes (None for one): FSDP2 over `--trainer-processes`
+    processes, which the environment must describe (`sharding.make_accelerator`; the launcher sets it)."""
+    if args.trainer_processes == 1:
+        return None
+    accelerator = sharding.make_accelerator()
+    how = (
+        f"--trainer-processes {args.trainer_processes}: start the trainer through grpo.launch, or under `accelerate "
+        f"launch --config_file configs/accelerate/fsdp2.yaml --num_processes {args.trainer_processes}`"
+    )
+    if accelerator.num_processes != args.trainer_processes:
+        raise cli.UserError(f"{how}; this one runs in {accelerator.num_processes} process(es)")
+    if sharding.engine_of(accelerator) != "fsdp2":
+        raise cli.UserError(f"{how}; the trainer shards with FSDP2, and this one runs under another engine")
+    return accelerator
 
 
 @dataclass
@@ -354,27 +448,47 @@ class Learner:
         return len(self.tokenizer)
 
 
-def load_learner(args: GRPOArgs) -> Learner:
+def load_learner(args: GRPOArgs, accelerator=None) -> Learner:
     """The models and the optimizer, on the GPU if there is one; with `--resume` the checkpoint's (a UserError
-    if there is none, or if it was saved with other settings)."""
+    if there is none, or if it was saved with other settings). Under several trainer processes (`accelerator`)
+    the policy, its optimizer and the reference are sharded over them."""
     from lm_human_preference_details.text import load_tokenizer  # an unknown model is one line (`assets.unknown_model`)
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if accelerator is not None:
+        device = accelerator.device
+    else:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = load_tokenizer(args.model)
     with_reference = args.kl_coef or args.kl_coef_final  # a KL schedule from 0 needs it too
-    reference = load_causal_lm(args.model).requires_grad_(False).to(device) if with_reference else None
+    reference = load_causal_lm(args.model).requires_grad_(False) if with_reference else None
+    if reference is not None:
+        reference = (
+            reference.to(device) if accelerator is None else sharding.prepare_frozen(accelerator, reference, True)
+        )
     state = checkpoint_state(args) if args.resume else {"version": 0, "stream_position": 0}
     model = load_causal_lm(checkpoint_model(args.output_dir) if args.resume else args.model).to(device)
     optimizer = make_optimizer(args.optimizer, model.parameters(), lr=args.lr, eps=args.adam_eps)
+    if accelerator is not None:
+        # micro_batch_size is DeepSpeed's setting (not an engine of this trainer): a process's share of a step
+        model, optimizer = sharding.prepare(accelerator, model, optimizer, args.batch_size // accelerator.num_processes)
     if args.resume:
-        # onto the CPU first (a checkpoint saved on a GPU resumes without one); load_state_dict moves each
-        # state to its parameter's device
+        # onto the CPU first (a checkpoint saved on a GPU resumes without one); loading moves each state to its
+        # parameter's device
         folder = checkpoint.folder(args.output_dir)
         path = os.path.join(folder, "optimizer.pt")
-        optimizer.load_state_dict(
-            checkpoint.load_or_explain(path, checkpoint.load_onto_cpu, checkpoint.damaged(folder))
-        )
+        saved = checkpoint.load_or_explain(path, checkpoint.load_onto_cpu, checkpoint.damaged(folder))
+        sharding.load_optimizer_state_dict(accelerator, model, optimizer, saved)
     return Learner(model, reference, tokenizer, optimizer, state["version"], state["stream_position"])
+
+
+def whole_parameters(model: torch.nn.Module, accelerator=None) -> list[tuple[str, torch.Tensor]]:
+    """The model's parameters as the servers take them: whole, named and ordered as `named_parameters()` (a tied
+    weight once). A sharded model's are gathered (every process calls this; the others get an empty list)."""
+    names = [name for name, _ in model.named_parameters()]
+    if accelerator is None:
+        return list(model.named_parameters())
+    whole = sharding.full_state_dict(accelerator, model)
+    return [(name, whole[name]) for name in names] if accelerator.is_main_process else []
 
 
 class GroupReader:
@@ -413,25 +527,44 @@ class GroupReader:
 
 class ServerUpdates:
     """The weights' way to the servers: a `WeightSender` with a process group to each, the weights cast to the
-    servers' dtype, pushed on the schedule (`GRPOArgs.push_interval`) and in buckets of `update_bucket_mb`."""
+    servers' dtype, pushed on the schedule (`GRPOArgs.push_interval`) and in buckets of `update_bucket_mb`. Under
+    several trainer processes each has one, for the gather before a push, and only the main one `sends`."""
 
-    def __init__(self, args: GRPOArgs, server_urls: list[str]):
+    def __init__(self, args: GRPOArgs, server_urls: list[str], sends: bool = True):
         self.args = args
-        self.sender = WeightSender(server_urls, backend=args.weight_backend, host=args.trainer_host)
+        self.sender = WeightSender(server_urls, backend=args.weight_backend, host=args.trainer_host) if sends else None
         # weights go out in the servers' dtype (bf16 on GPUs): they check it before receiving
-        self.dtype = served_dtype(server_urls[0])
+        self.dtype = served_dtype(server_urls[0]) if sends else None
 
-    def push_if_due(self, model: torch.nn.Module, version: int) -> float:
-        """Hand weights `version` to the sender if the schedule says so; the seconds that took (0 if not due)."""
+    def push_if_due(self, model: torch.nn.Module, version: int, accelerator=None) -> float:
+        """Hand weights `version` to the sender if the schedule says so; the seconds that took (0 if not due), the
+        gather of a sharded model's included."""
         if not self.args.due(self.args.push_interval(), version):
             return 0.0
         start = time.perf_counter()
+        parameters = whole_parameters(model, accelerator)
+        if self.sender is None:
+            return time.perf_counter() - start
         bucket_bytes = int(self.args.update_bucket_mb * 2**20)
-        dropped = self.sender.push(model, version, dtype=self.dtype, bucket_bytes=bucket_bytes)
+        dropped = self.sender.push_tensors(parameters, version, dtype=self.dtype, bucket_bytes=bucket_bytes)
         push_s = time.perf_counter() - start
         if dropped:
             log.warning("servers dropped from weight updates: %s", dropped)
         return push_s
+
+    def check(self) -> None:
+        """`WeightSender.check`, where this process sends."""
+        if self.sender is not None:
+            self.sender.check()
+
+    def wait(self) -> None:
+        """Until every push has reached every server."""
+        if self.sender is not None:
+            self.sender.wait()
+
+    @property
+    def last_broadcast_s(self) -> float:
+        return self.sender.last_broadcast_s if self.sender is not None else 0.0
 
 
 class StepTimer:
@@ -536,14 +669,21 @@ MAY_CHANGE_ON_RESUME = {
 checkpoint's: the stream position counts groups of its batch size, the optimizer state is of its settings"""
 
 
-def save_checkpoint(args: GRPOArgs, model, tokenizer, optimizer, version: int, stream_position: int) -> None:
+def save_checkpoint(
+    args: GRPOArgs, model, tokenizer, optimizer, version: int, stream_position: int, accelerator=None
+) -> None:
     """Model and tokenizer (a folder the servers can load), optimizer, version, stream position and the run's
     settings; written beside and swapped into place (`checkpoint.staged`), so a crash mid-save keeps the previous
-    checkpoint."""
+    checkpoint. Under several trainer processes every one calls it (the whole tensors are gathered) and the main one
+    writes."""
+    model_state = sharding.full_state_dict(accelerator, model) if accelerator is not None else None
+    optimizer_states = sharding.optimizer_state_dict(accelerator, model, optimizer)
+    if accelerator is not None and not accelerator.is_main_process:
+        return
     with checkpoint.staged(checkpoint.folder(args.output_dir)) as staging:
-        model.save_pretrained(os.path.join(staging, "model"))
+        model.save_pretrained(os.path.join(staging, "model"), state_dict=model_state)
         tokenizer.save_pretrained(os.path.join(staging, "model"))
-        torch.save(optimizer.state_dict(), os.path.join(staging, "optimizer.pt"))
+        torch.save(optimizer_states, os.path.join(staging, "optimizer.pt"))
         with open(os.path.join(staging, "state.json"), "w") as f:
             state = {"version": version, "stream_position": stream_position, "settings": checkpoint.settings(args)}
             json.dump(state, f)

@@ -21,6 +21,7 @@ import math
 import queue
 import threading
 import time
+from collections.abc import Iterable
 from typing import get_args
 from urllib.parse import urlparse
 
@@ -44,7 +45,14 @@ def served_dtype(url: str) -> torch.dtype:
 
 def parameter_specs(model: torch.nn.Module, dtype: torch.dtype | None = None) -> list[ParameterSpec]:
     """What an update of `model` sends: every parameter (tied ones once), in `dtype` if given."""
-    return [ParameterSpec(name, tuple(p.shape), DTYPE_NAMES[dtype or p.dtype]) for name, p in model.named_parameters()]
+    return tensor_specs(model.named_parameters(), dtype)
+
+
+def tensor_specs(
+    parameters: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None
+) -> list[ParameterSpec]:
+    """The specs of named tensors, in `dtype` if given."""
+    return [ParameterSpec(name, tuple(p.shape), DTYPE_NAMES[dtype or p.dtype]) for name, p in parameters]
 
 
 def digest(model: torch.nn.Module) -> dict[str, str]:
@@ -247,10 +255,22 @@ class WeightSender:
         sent, one may wait). Returns the servers dropped so far (unreachable); raises if a server
         refused an update (trainer and servers disagree about the model), the sender thread failed, or every
         server has been dropped."""
+        return self.push_tensors(model.named_parameters(), version, dtype, bucket_bytes)
+
+    def push_tensors(
+        self,
+        parameters: Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        dtype: torch.dtype | None = None,
+        bucket_bytes: int = 0,
+    ) -> list[str]:
+        """`push` of named whole tensors, in the order and with the names of the model's `named_parameters()` (a
+        sharded model's, gathered)."""
         self.check()
-        specs = parameter_specs(model, dtype)
+        parameters = [(name, p.detach()) for name, p in parameters]
+        specs = tensor_specs(parameters, dtype)
         with torch.no_grad():
-            snapshot = flatten([p.detach() for _, p in model.named_parameters()], buckets(specs, bucket_bytes), dtype)
+            snapshot = flatten([p for _, p in parameters], buckets(specs, bucket_bytes), dtype)
         copied = None
         if snapshot and snapshot[0].is_cuda:  # the sender thread's transfer stream waits for the copies queued here
             copied = torch.cuda.Event()

@@ -2,6 +2,7 @@
 
     python benchmarks/sharding_memory.py --out-dir benchmarks/results/sharding_memory
     python benchmarks/sharding_memory.py --task tiny --engines ddp fsdp2 --zero3-persistence-threshold 0   # smoke
+    python benchmarks/sharding_memory.py --engines ddp ddp-bf16 --out-dir runs/precision   # float32 against bf16
 
 For each engine of `--engines` (DDP: `accelerate launch --multi_gpu`; the others: configs/accelerate/<engine>.yaml,
 as a user launches them) `train_policy.py` runs on `--processes` processes (on the CPU over gloo, one thread
@@ -39,7 +40,9 @@ from lm_human_preference_details.benchmarking import device_env, git_commit, mac
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs", "accelerate")
-Engine = Literal["ddp", "fsdp2", "zero2", "zero3"]
+Engine = Literal["ddp", "fsdp2", "zero2", "zero3", "ddp-bf16"]
+MIXED_PRECISION = {"ddp-bf16": "bf16"}
+"""rows that run under `--mixed-precision` (DDP with the matmuls under accelerate's bf16 autocast); the rest float32"""
 SHARDS_PARAMETERS = ("fsdp2", "zero3")
 LIMIT = 0.6
 """what an engine that shards parameters may hold per rank, as a fraction of DDP's, on 2 processes"""
@@ -48,7 +51,7 @@ LIMIT = 0.6
 @dataclass
 class Args:
     engines: list[Engine] = field(default_factory=lambda: ["ddp", "fsdp2", "zero2", "zero3"])
-    """engines to run; DDP, the reference, runs first whether listed or not"""
+    """engines to run; DDP, the reference, runs first whether listed or not; `ddp-bf16`: DDP under bf16 autocast"""
     task: str = "sentiment-smollm2"
     """the stage's preset (`tiny` for a smoke test)"""
     model: str | None = None
@@ -151,6 +154,8 @@ def command(args: Args, engine: str, config: str | None, reward_model: str, run_
         "--ppo.gradient-accumulation-steps",
         "1",
         *(("--ppo.no-whiten-rewards",) if args.batch_size // args.processes < 8 else ()),  # too few to whiten over
+        "--mixed-precision",
+        MIXED_PRECISION.get(engine, "no"),
         "--save-interval",
         "0",
         "--output-dir",
@@ -170,7 +175,7 @@ def command(args: Args, engine: str, config: str | None, reward_model: str, run_
         "--main_process_port",
         str(free_port()),  # not accelerate's default 29500, which a user's own run may hold
         "--mixed_precision",
-        "no",
+        MIXED_PRECISION.get(engine, "no"),
         "--dynamo_backend",
         "no",
         "-m",

@@ -125,7 +125,7 @@ class PolicyAndValue(nn.Module):
         """
         hidden = self.lm.base_model(**masked_inputs(input_ids, pad_id)).last_hidden_state[:, positions]  # (B, T', H)
         logits = self.lm.get_output_embeddings()(hidden)[..., : self.vocab_size]  # (B, T', V)
-        return logits, self.value_head(hidden).squeeze(-1)
+        return logits, self.value_head(hidden).squeeze(-1).float()  # float32 under autocast too, as OAI computes it
 
     def sample(self, sample_fn, *args, **kwargs):
         """`sample_fn(self.lm, *args, **kwargs)` (a rollout: `sampling.sample_responses`) as a method of the model,

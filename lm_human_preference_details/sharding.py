@@ -93,9 +93,10 @@ def _deepspeed_config_file_stage(path: str) -> int | None:
         return json.load(f).get("zero_optimization", {}).get("stage")
 
 
-def make_accelerator():
+def make_accelerator(mixed_precision: str = "no"):
     """The Accelerator of a stage script: the engine of the user's accelerate config, on the GPUs or, without one,
-    on the CPU with gloo across processes; the engine in use is printed.
+    on the CPU with gloo across processes, under `mixed_precision` (`check_mixed_precision`); the engine in use is
+    printed.
 
     `accelerate launch --cpu` starts a single process whatever --num_processes says (accelerate 1.x);
     `accelerate launch --multi_gpu --num_processes 2` (or `torchrun --nproc_per_node 2`) starts two, and
@@ -110,8 +111,10 @@ def make_accelerator():
     from accelerate import Accelerator
 
     requested = requested_engine()
-    if torch.cuda.is_available():
-        accelerator = Accelerator()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    check_mixed_precision(mixed_precision, requested, device)
+    if device.type == "cuda":
+        accelerator = Accelerator(mixed_precision=mixed_precision)
     elif requested in ("zero2", "zero3"):
         # accelerate sets DeepSpeed up (over deepspeed.comm) only when not told cpu=True, and then finds no
         # backend of its own without a GPU: named, gloo
@@ -119,7 +122,7 @@ def make_accelerator():
 
         accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
     else:
-        accelerator = Accelerator(cpu=True)
+        accelerator = Accelerator(cpu=True, mixed_precision=mixed_precision)
         if requested == "fsdp2" and accelerator.num_processes > 1:
             _fsdp2_on_cpu(accelerator)
     if requested is not None and accelerator.num_processes == 1:
@@ -139,8 +142,42 @@ def make_accelerator():
         raise UserError(
             f"the accelerate config asks for {ENGINE_NAMES[requested]} but accelerate set up {ENGINE_NAMES[used]}"
         )
-    accelerator.print(f"training engine: {ENGINE_NAMES[used]} over {accelerator.num_processes} process(es)")
+    processes = "" if used == "single" else f" over {accelerator.num_processes} processes"
+    precision = "" if mixed_precision == "no" else f", {mixed_precision} autocast"
+    accelerator.print(f"training engine: {ENGINE_NAMES[used]}{processes}{precision}")
     return accelerator
+
+
+def check_accelerator(accelerator, mixed_precision: str) -> None:
+    """UserError if a stage was handed an accelerator of another mixed precision than its `--mixed-precision`
+    (`make_accelerator(args.mixed_precision)` makes the right one)."""
+    if accelerator.mixed_precision != mixed_precision:
+        raise UserError(
+            f"--mixed-precision {mixed_precision}, but the accelerator autocasts to {accelerator.mixed_precision}: "
+            "make it with sharding.make_accelerator(args.mixed_precision)"
+        )
+
+
+def check_mixed_precision(mixed_precision: str, engine: Engine | None, device: torch.device) -> None:
+    """UserError for a mixed precision this run cannot honour: another than `accelerate launch` was told (it would
+    be silently overridden one way or the other), fp16 without a GPU (accelerate autocasts to fp16 only on one, and
+    would train in float32 in silence), or under a sharding engine (`engine`: its own mixed precision, FSDP2's
+    parameter casts or DeepSpeed's bf16 weights, is other numerics than autocast and is not wired in)."""
+    launched = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    if launched is not None and launched != mixed_precision:
+        raise UserError(
+            f"accelerate launch says --mixed_precision {launched}, this run --mixed-precision {mixed_precision}: pass "
+            f"--mixed-precision {launched} to the stage, or launch with --mixed_precision {mixed_precision}"
+        )
+    if mixed_precision == "no":
+        return
+    if mixed_precision == "fp16" and device.type != "cuda":
+        raise UserError("--mixed-precision fp16 needs a GPU (accelerate autocasts to fp16 only there): use bf16, or no")
+    if engine not in (None, "single", "ddp"):
+        raise UserError(
+            f"--mixed-precision {mixed_precision} runs under DDP or one process here, not {ENGINE_NAMES[engine]}: "
+            "launch without the sharding config, or with --mixed-precision no"
+        )
 
 
 def _fsdp2_on_cpu(accelerator) -> None:

@@ -22,6 +22,7 @@ import tyro
 from .cli import UserError
 
 WandbMode = Literal["auto", "online", "offline", "disabled"]
+MixedPrecision = Literal["no", "bf16", "fp16"]
 
 
 @dataclass
@@ -37,6 +38,11 @@ class RunArgs:
     """wandb project"""
     run_name: str | None = None
     """wandb run name (None: <stage>_<preset>_<seed>)"""
+    mixed_precision: MixedPrecision = "no"
+    """`no`: float32 throughout, OAI's numerics (every preset's default); `bf16` (or `fp16`, on a GPU): the models'
+    matmuls under accelerate's autocast, while the quantities OAI computes in float32 (logprobs, values, rewards,
+    advantages, KL, the losses) and the parameters and optimizer state stay float32; recorded in args.json and the
+    checkpoint, which a resume must match"""
 
     def run_name_for(self, stage: str) -> str:
         return self.run_name or f"{stage}_{self.preset}_{self.seed}"

@@ -43,8 +43,8 @@ class RewardHParams:
 
     trained_model: str | None = None
     """folder written by train_reward.py; None: train one first in this run (OAI's train_new_model), with the
-    preset's stage-1 settings and this run's task and seed (for others, run train_reward.py with them and pass its
-    folder here)"""
+    preset's stage-1 settings and this run's task, seed and mixed precision (for others, run train_reward.py with
+    them and pass its folder here)"""
     kl_coef: float = 0.15
     """the KL coefficient (the initial one when adaptive)"""
     adaptive_kl: bool = True
@@ -222,10 +222,10 @@ def reward_model_and_resume(args: Args, accelerator) -> tuple[str, bool]:
     """The reward model's folder, and whether stage 2 resumes from a checkpoint (`args.resume` and one saved).
 
     Without `rewards.trained_model`, stage 1 runs first (OAI's train_new_model), in `output_dir`/reward with the
-    preset's stage-1 settings and this run's task and seed. A resumed run takes the reward model that its stage 1
-    saved: after a kill in stage 2 the checkpoint's policy was trained against it, after a kill between the stages
-    stage 2 starts over with it; a resume with neither is refused. All processes take the path the main process
-    finds.
+    preset's stage-1 settings and this run's task, seed and mixed precision. A resumed run takes the reward model
+    that its stage 1 saved: after a kill in stage 2 the checkpoint's policy was trained against it, after a kill
+    between the stages stage 2 starts over with it; a resume with neither is refused. All processes take the path
+    the main process finds.
     """
     resume_from_checkpoint = args.resume and checkpoint.saved(args.output_dir, accelerator)
     if not args.resume:  # before stage 1 trains, not after
@@ -233,7 +233,7 @@ def reward_model_and_resume(args: Args, accelerator) -> tuple[str, bool]:
     if args.rewards.trained_model is not None:
         return args.rewards.trained_model, args.resume
     reward_args = train_reward.defaults_for_task(args.preset)  # OAI: launch.py#L116-L138
-    reward_args.task, reward_args.seed = args.task, args.seed
+    reward_args.task, reward_args.seed, reward_args.mixed_precision = args.task, args.seed, args.mixed_precision
     reward_args.output_dir, reward_args.wandb_mode = os.path.join(args.output_dir, "reward"), args.wandb_mode
     reward_args.run_name = f"{args.run_name_for('policy')}_reward"
     reward_path = os.path.join(reward_args.output_dir, "reward_model")
@@ -311,6 +311,7 @@ def train(
     """
     hooks = hooks or StageHooks()
     validate(args, accelerator.num_processes)
+    sharding.check_accelerator(accelerator, args.mixed_precision)
     requested = checkpoint.settings(args)  # as given: the reward model's path, filled in below, follows output_dir
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
     tokenizer = load_tokenizer(args.task.base_model)
@@ -360,7 +361,9 @@ def train(
             group["lr"] = lr
 
         # ---------------------------------------------------------------- rollout, score, rewards
-        with torch.no_grad():
+        # under mixed precision the rollout's forwards autocast as the PPO epochs' do (the prepared model's forward
+        # does): the first minibatch's logprobs are the rollout's, its ratio 1
+        with torch.no_grad(), accelerator.autocast():
             queries = next(sampler).to(device)  # (B, Q) bare queries: what the reward model reads
             contexts = format_queries(queries, tokenizer, args.task)  # (B, Q'): what the policy reads
             with sharding.gathered(accelerator, model):
@@ -480,7 +483,7 @@ def train(
 @cli.main_with_user_errors
 def main() -> None:
     args = cli.parse(Args, defaults_for_task, default_task="sentiment", presets=tasks.PRESETS)
-    train(args, sharding.make_accelerator())
+    train(args, sharding.make_accelerator(args.mixed_precision))
 
 
 if __name__ == "__main__":

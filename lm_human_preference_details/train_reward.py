@@ -128,15 +128,16 @@ def reference_reward_stats(
     rewards = []
     for _ in range(math.ceil(num_samples / rollout_batch_size)):
         queries = next(sampler).to(accelerator.device)
-        responses, _ = (sample or sample_responses)(
-            ref_lm,
-            format_queries(queries, tokenizer, task),
-            pad_id,
-            task.response_length,
-            task.temperature,
-            vocab_size=len(tokenizer),
-        )
-        rewards.append(reward_model(torch.cat([queries, responses], dim=1), pad_id))
+        with accelerator.autocast():  # as the trained reward model's forward (accelerate's prepare wraps it)
+            responses, _ = (sample or sample_responses)(
+                ref_lm,
+                format_queries(queries, tokenizer, task),
+                pad_id,
+                task.response_length,
+                task.temperature,
+                vocab_size=len(tokenizer),
+            )
+            rewards.append(reward_model(torch.cat([queries, responses], dim=1), pad_id).float())
     rewards = torch.cat(rewards).double()
     sums = accelerator.reduce(
         torch.stack([rewards.sum(), rewards.square().sum(), rewards.new_tensor(float(len(rewards)))]), "sum"
@@ -192,7 +193,8 @@ def obtain_labels(args: Args, tokenizer, ref_lm, accelerator) -> Labels:
                 args.task, tokenizer, batch_size=args.rollout_batch_size, seed=args.task.query_seed + 1
             )
             labeler = labelers.load_labeler(args.labels.labeler)
-            labels = make_labels(ref_lm, tokenizer, sampler, args.task, labeler, needed, args.labels.num_responses)
+            with accelerator.autocast():  # the run's precision for its samples too
+                labels = make_labels(ref_lm, tokenizer, sampler, args.task, labeler, needed, args.labels.num_responses)
             write_labels(source, labels, tokenizer.oai_pad_token_id)
         accelerator.wait_for_everyone()
     labels = load_labels(source, **label_kwargs)
@@ -224,6 +226,7 @@ def train(args: Args, accelerator: Accelerator, hooks: StageHooks | None = None)
     """
     hooks = hooks or StageHooks()
     validate(args, accelerator.num_processes)
+    sharding.check_accelerator(accelerator, args.mixed_precision)
     # every process builds the same reward head, as OAI's rank 0 broadcasts its initial weights (`sync_models`
     # before training); then each its own stream
     # OAI: lm_human_preferences/train_reward.py#L317-L324
@@ -323,7 +326,7 @@ def save_reward_model(path: str, reward_model: RewardModel, tokenizer, accelerat
 @cli.main_with_user_errors
 def main() -> None:
     args = cli.parse(Args, defaults_for_task, default_task="sentiment", presets=tasks.PRESETS)
-    train(args, sharding.make_accelerator())
+    train(args, sharding.make_accelerator(args.mixed_precision))
 
 
 if __name__ == "__main__":

@@ -521,6 +521,7 @@ def test_sharding_memory_puts_each_engine_beside_ddp_and_fsdp2_holds_at_most_06x
     the tiny model's tensors, all below `stage3_param_persistence_threshold`, whole on every process)."""
     bench = load_script("sharding_memory")
     engines = [e for e in ("fsdp2", "zero2", "zero3") if os.path.isfile(os.path.join(bench.CONFIGS, f"{e}.yaml"))]
+    engines.append("ddp-bf16")  # DDP under bf16 autocast
     argv = ["--task", "tiny", "--engines", "ddp", *engines, "--zero3-persistence-threshold", "0"]
     results = bench.main([*argv, "--out-dir", str(tmp_path)])
     printed = capsys.readouterr().out
@@ -536,6 +537,7 @@ def test_sharding_memory_puts_each_engine_beside_ddp_and_fsdp2_holds_at_most_06x
         assert f"| {engine} | {r['state_gib']:.3f} | {ratios} |" in printed, engine
     assert "| ddp | " in printed and "| 1.000x |" in printed
     assert results["fsdp2"]["state_gib"] <= 0.6 * ddp["state_gib"]
+    assert results["ddp-bf16"]["state_gib"] == ddp["state_gib"]  # autocast: parameters and Adam's state stay float32
     if "zero2" in results:  # parameters whole, optimizer state halved
         assert results["zero2"]["state_gib"] <= 0.95 * ddp["state_gib"]
     if "zero3" in results:

@@ -1,5 +1,6 @@
 """Stage 1 end to end, through the real command line, on the offline `tiny` preset."""
 
+import contextlib
 import json
 import math
 import subprocess
@@ -224,7 +225,11 @@ def test_reference_reward_stats_stay_on_the_models_device(monkeypatch):
         reduced.append((tensor.device, reduction))
         return torch.tensor([4.0, 4.0, 4.0], dtype=torch.float64)
 
-    accelerator = type("Accelerator", (), {"device": device, "num_processes": 1, "reduce": staticmethod(reduce)})()
+    accelerator = type(
+        "Accelerator",
+        (),
+        {"device": device, "num_processes": 1, "reduce": staticmethod(reduce), "autocast": contextlib.nullcontext},
+    )()
     reward_model = lambda ids, pad_id: torch.ones(len(ids), device=device)  # noqa: E731
     mean, std = train_reward.reference_reward_stats(
         reward_model, None, sampler, get_preset("tiny").task, tokenizer, 4, accelerator

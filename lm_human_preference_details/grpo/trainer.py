@@ -268,7 +268,10 @@ def accumulate_gradients(
         indices = mine[i] if share else micro_batches[0]
         batch = batch_tensors(groups, indices, model.device)
         last = i == passes - 1
-        with accelerator.no_sync(model) if accelerator and not last else contextlib.nullcontext():
+        with (
+            accelerator.no_sync(model) if accelerator and not last else contextlib.nullcontext(),
+            accelerator.autocast() if accelerator else contextlib.nullcontext(),  # the reference's forward too
+        ):
             new_logprobs, entropy = token_logprobs(
                 model, batch, args.temperature, vocab_size, entropy_grad=entropy_coef != 0
             )
@@ -415,11 +418,14 @@ def optimizer_step(
 
 
 def trainer_accelerator(args: GRPOArgs):
-    """The accelerator of a trainer of several processes (None for one): FSDP2 over `--trainer-processes`
-    processes, which the environment must describe (`sharding.make_accelerator`; the launcher sets it)."""
-    if args.trainer_processes == 1:
+    """The trainer's accelerator: FSDP2 over `--trainer-processes` processes, which the environment must describe
+    (`sharding.make_accelerator`; the launcher sets it), or one process's under `--mixed-precision`; None for one
+    process in float32 (no accelerate)."""
+    if args.trainer_processes == 1 and args.mixed_precision == "no":
         return None
-    accelerator = sharding.make_accelerator()
+    accelerator = sharding.make_accelerator(args.mixed_precision)
+    if args.trainer_processes == 1:
+        return accelerator
     how = (
         f"--trainer-processes {args.trainer_processes}: start the trainer through grpo.launch, or under `accelerate "
         f"launch --config_file configs/accelerate/fsdp2.yaml --num_processes {args.trainer_processes}`"

@@ -1,0 +1,147 @@
+"""Mixed precision (`--mixed-precision bf16`) in stages 1 and 2 through accelerate's autocast, on the tiny preset.
+
+The matmuls run in bfloat16, the quantities OAI computes in float32 stay float32: the rollout's logprobs and the
+first minibatch's are computed the same way, so the first ratio is 1; a stage learns; a checkpoint resumes bitwise.
+"""
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lm_human_preference_details import sharding
+from lm_human_preference_details.cli import UserError
+from lm_human_preference_details.tracking import read_metrics
+
+QUIET = ("--wandb-mode", "disabled")
+
+
+def stage(module: str, *args) -> list[str]:
+    return [sys.executable, "-m", f"lm_human_preference_details.{module}", *map(str, args), *QUIET]
+
+
+def run(cmd) -> subprocess.CompletedProcess:
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+@pytest.mark.slow
+def test_stage1_learns_under_bf16(tmp_path):
+    run(stage("train_reward", "--task", "tiny", "--mixed-precision", "bf16", "--output-dir", tmp_path))
+    accuracy = [m["test/accuracy"] for m in read_metrics(tmp_path / "metrics.jsonl") if "test/accuracy" in m]
+    assert accuracy[-1] > 0.5, accuracy  # chance is 0.25 (best of 4)
+
+
+@pytest.mark.slow
+def test_stage2_learns_under_bf16(tmp_path, tiny_reward_model):
+    """Against a trained reward model: the tiny preset's own (stage 1 first), all of it under bf16."""
+    run(stage("train_policy", "--task", "tiny", "--mixed-precision", "bf16", "--output-dir", tmp_path))
+    metrics = [m for m in read_metrics(tmp_path / "metrics.jsonl") if "objective/scores" in m]
+    tenth = max(1, len(metrics) // 10)
+    first = sum(m["objective/scores"] for m in metrics[:tenth]) / tenth
+    last = sum(m["objective/scores"] for m in metrics[-tenth:]) / tenth
+    assert last > first + 0.5, (first, last)
+
+
+@pytest.mark.slow
+def test_the_first_ratio_is_one_under_bf16(tmp_path, tiny_reward_model):
+    """One epoch of one minibatch: the update's only minibatch is the rollout's batch, before any step, so its
+    ratio is 1 wherever the rollout's logprobs and the minibatch's are computed alike (both under autocast, the
+    logprobs in float32)."""
+    args = ("--task", "tiny", "--rewards.trained-model", tiny_reward_model, "--ppo.total-episodes", 64)
+    one_pass = ("--ppo.noptepochs", 1, "--ppo.nminibatches", 1)
+    run(stage("train_policy", *args, *one_pass, "--mixed-precision", "bf16", "--output-dir", tmp_path))
+    (first,) = read_metrics(tmp_path / "metrics.jsonl")
+    assert first["objective/kl"] == 0.0  # the reference, the same weights, computed the same way as the policy
+    assert first["ppo/policy/approxkl"] == 0.0
+    assert first["ppo/policy/ratio_max"] == 1.0 and first["ppo/policy/clipfrac"] == 0.0
+
+
+@pytest.mark.slow
+def test_a_killed_bf16_run_resumes_to_the_same_weights(tmp_path, tiny_reward_model):
+    common = ("--task", "tiny", "--rewards.trained-model", tiny_reward_model, "--ppo.total-episodes", 64 * 6)
+    common = (*common, "--save-interval", 2, "--mixed-precision", "bf16")
+    run(stage("train_policy", *common, "--output-dir", tmp_path / "straight"))
+    killed = tmp_path / "killed"
+    process = subprocess.Popen(
+        stage("train_policy", *common, "--output-dir", killed), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    deadline = time.time() + 300
+    while time.time() < deadline and process.poll() is None:
+        if (killed / "metrics.jsonl").exists() and any(m["step"] == 3 for m in read_metrics(killed / "metrics.jsonl")):
+            process.send_signal(signal.SIGKILL)  # the last checkpoint is update 2's
+            break
+        time.sleep(0.05)
+    process.wait(timeout=60)
+    assert process.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    run(stage("train_policy", *common, "--output-dir", killed, "--resume"))
+    straight = load_file(tmp_path / "straight" / "policy" / "model.safetensors")
+    resumed = load_file(killed / "policy" / "model.safetensors")
+    for name in straight:
+        assert torch.equal(straight[name], resumed[name]), name
+    # a resume under another precision is refused: the optimizer's state and the loop's belong to the first
+    result = subprocess.run(
+        stage("train_policy", *common[:-1], "no", "--output-dir", killed, "--resume"), capture_output=True, text=True
+    )
+    assert result.returncode == 2 and "mixed_precision: 'bf16' then, 'no' now" in result.stderr, result.stderr[-2000:]
+
+
+def test_a_bad_value_is_one_line_naming_the_flag(tmp_path):
+    result = subprocess.run(
+        stage("train_policy", "--task", "tiny", "--mixed-precision", "fp8", "--output-dir", tmp_path),
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2
+    assert "--mixed-precision" in result.stderr and "fp8" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(
+    "environment, precision, words",
+    [
+        ({"ACCELERATE_MIXED_PRECISION": "bf16"}, "no", "--mixed-precision bf16"),
+        ({}, "fp16", "fp16 needs a GPU"),
+    ],
+)
+def test_a_precision_the_run_cannot_honour_is_refused(monkeypatch, environment, precision, words):
+    for key, value in environment.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(UserError, match=words):
+        sharding.check_mixed_precision(precision, engine="single", device=torch.device("cpu"))
+
+
+def test_mixed_precision_under_a_sharding_engine_is_refused():
+    with pytest.raises(UserError, match="DDP or one process"):
+        sharding.check_mixed_precision("bf16", engine="fsdp2", device=torch.device("cpu"))
+
+
+@pytest.mark.parametrize("speedup, precision", [(0.11, "no"), (3.1, "bf16")])
+def test_the_quickstart_takes_bf16_only_where_it_is_faster(monkeypatch, speedup, precision):
+    """0.11: this project's CPU (AMD EPYC without AVX512-BF16) emulates bfloat16; 3.1: one with AVX512-BF16."""
+    from lm_human_preference_details import quickstart
+
+    monkeypatch.setattr(quickstart, "bf16_speedup", lambda device: speedup)
+    chosen, reason = quickstart.fastest_precision(torch.device("cpu"))
+    assert chosen == precision
+    assert f"{speedup:.1f}x" in reason or f"{speedup:.2f}x" in reason
+
+
+def test_the_bf16_probe_measures_both_precisions():
+    from lm_human_preference_details import quickstart
+
+    assert 0.01 < quickstart.bf16_speedup(torch.device("cpu")) < 100
+
+
+@pytest.mark.slow
+def test_the_grpo_trainer_learns_under_bf16(tmp_path):
+    """The trainer's forwards (the reference's too) under accelerate's autocast; the servers sample in float32."""
+    cmd = [sys.executable, "-m", "lm_human_preference_details.grpo.launch", "--task", "tiny", "--steps", "60"]
+    result = run([*cmd, "--mixed-precision", "bf16", "--output-dir", str(tmp_path), *QUIET])
+    assert "bf16 autocast" in result.stdout + result.stderr
+    rates = [m["success/rate"] for m in read_metrics(tmp_path / "metrics.jsonl")]
+    assert sum(rates[-10:]) / 10 > sum(rates[:10]) / 10 + 0.1, rates

@@ -54,7 +54,7 @@ def requested_engine() -> Engine | None:
         if os.environ.get("FSDP_STATE_DICT_TYPE", "FULL_STATE_DICT") != "FULL_STATE_DICT":
             raise UserError(
                 f"the accelerate config's fsdp_state_dict_type is {os.environ['FSDP_STATE_DICT_TYPE']}; checkpoints "
-                "here hold whole tensors (a checkpoint resumes under any engine): set `fsdp_state_dict_type: "
+                "here gather whole tensors (sharded ones are not wired in): set `fsdp_state_dict_type: "
                 "FULL_STATE_DICT` (configs/accelerate/fsdp2.yaml)"
             )
         if os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false").lower() == "true":

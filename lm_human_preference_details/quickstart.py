@@ -9,15 +9,13 @@
 `python -m lm_human_preference_details.quickstart`: sized to finish on a laptop's CPU while you wait, with a
 progress bar on each long phase (sizes in tasks.py, preset `sentiment-smollm2`). Any train_policy.py flag can
 follow, e.g. `--ppo.total-episodes 320`. Without `--mixed-precision` it takes bf16 where that is faster than
-float32 (a GPU with bfloat16, a CPU whose bf16 matmuls beat float32's: `fastest_precision`), and says why.
+float32 (a GPU with bfloat16, a CPU whose bf16 matmuls beat float32's: `sharding.fastest_precision`), and says why.
 Run again, it refuses to overwrite its earlier run: `--resume` continues that one (a finished one only shows its
 results again), another `--output-dir` starts a new one.
 """
 
-import contextlib
 import os
 import sys
-import time
 
 import torch
 
@@ -41,39 +39,6 @@ def answer(lm, tokenizer, task, queries: torch.Tensor, seed: int) -> list[str]:
     return [tokenizer.decode(strip_pad(r, pad_id)) for r in responses]
 
 
-def bf16_speedup(device: torch.device) -> float:
-    """How many times as fast a matmul of a transformer layer's size (SmolLM2-135M's width, a PPO batch of tokens)
-    runs under bf16 autocast as in float32 on `device`: a CPU without native bfloat16 (AVX512-BF16, AMX) emulates
-    it, several times slower."""
-    tokens, weight = torch.randn(1024, 576, device=device), torch.randn(1536, 576, device=device)
-
-    def seconds(context) -> float:
-        with context:
-            for _ in range(2):  # warm-up
-                tokens @ weight.T
-            start = time.perf_counter()
-            for _ in range(10):
-                tokens @ weight.T
-            return time.perf_counter() - start
-
-    return seconds(contextlib.nullcontext()) / seconds(torch.autocast(device.type, dtype=torch.bfloat16))
-
-
-def fastest_precision(device: torch.device) -> tuple[str, str]:
-    """`--mixed-precision` for the quickstart on `device` (bf16 where faster than float32, else no), and why."""
-    if device.type == "cuda":
-        if torch.cuda.is_bf16_supported():
-            return "bf16", "bf16 autocast: this GPU computes in bfloat16"
-        return "no", "float32: this GPU has no bfloat16"
-    speedup = bf16_speedup(device)
-    if speedup >= 1.2:
-        return "bf16", f"bf16 autocast: its matmuls run {speedup:.1f}x as fast as float32's on this CPU"
-    return "no", (
-        f"float32: bf16 matmuls run {speedup:.2f}x as fast as float32's on this CPU (no native bfloat16: "
-        "AVX512-BF16 or AMX); --mixed-precision bf16 forces it"
-    )
-
-
 def mean_of(records: list[dict], name: str) -> float:
     values = [r[name] for r in records if name in r]
     return sum(values) / len(values)
@@ -93,7 +58,7 @@ def main() -> None:
         presets=tasks.PRESETS,
     )
     if not any(a == "--mixed-precision" or a.startswith("--mixed-precision=") for a in argv):
-        args.mixed_precision, reason = fastest_precision(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        args.mixed_precision, reason = sharding.fastest_precision()
         print(f"precision: {reason}")
     if not args.resume:  # refused before the models load and sample below, not after
         refuse_to_overwrite(args.output_dir, resumable=True)

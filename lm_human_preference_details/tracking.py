@@ -240,8 +240,16 @@ def read_metrics(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.endswith("\n") and line.strip()]
 
 
-def plot_curves(metrics_path: str, panels: dict[str, list[str]], png_path: str, title: str) -> None:
-    """One panel per entry of `panels` (panel title -> metric names), x axis = step; saved as a PNG."""
+def plot_curves(
+    metrics_path: str,
+    panels: dict[str, list[str]],
+    png_path: str,
+    title: str,
+    points: dict[str, dict[str, list[tuple[float, float]]]] | None = None,
+) -> None:
+    """One panel per entry of `panels` (panel title -> metric names), x axis = step; saved as a PNG. `points`:
+    points measured outside metrics.jsonl (panel title -> label -> (step, value) points), drawn as
+    large markers."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -251,9 +259,11 @@ def plot_curves(metrics_path: str, panels: dict[str, list[str]], png_path: str, 
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False, layout="constrained")
     for ax, (panel, names) in zip(axes[0], panels.items()):
         for name in names:
-            points = [(r["step"], r[name]) for r in records if name in r]
-            if points:
-                ax.plot(*zip(*points), marker=".", label=name)
+            series = [(r["step"], r[name]) for r in records if name in r]
+            if series:
+                ax.plot(*zip(*series), marker=".", label=name)
+        for label, extra in (points or {}).get(panel, {}).items():
+            ax.plot(*zip(*extra), marker="o", markersize=9, linestyle="none", label=label)
         ax.set_title(panel)
         ax.set_xlabel("update")
         ax.grid(alpha=0.3)

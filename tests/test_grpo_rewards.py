@@ -351,6 +351,17 @@ def test_the_integer_shortcut_agrees_with_math_verify(boxed, answer):
     assert integer_reward("\\boxed{\\frac{1}{2}}", "0.5") is None  # math_verify decides
 
 
+def test_only_integers_scores_a_boxed_expression_zero():
+    """math_verify evaluates `\\boxed{6-1}` to 5, so a policy learns to box the question (seen with SmolLM2 on
+    `arith-chat`); with only_integers (`--integer-answers`) only a boxed integer counts."""
+    from lm_human_preference_details.grpo.rewards import integer_reward, math_reward
+
+    assert math_reward("6-1 is \\boxed{6-1}", "5") == 1.0 and integer_reward("\\boxed{6-1}", "5") is None
+    assert integer_reward("6-1 is \\boxed{6-1}", "5", only_integers=True) == 0.0
+    assert integer_reward("6 - 1 = \\boxed{5}", "5", only_integers=True) == 1.0
+    assert integer_reward("\\boxed{\\frac{1}{2}}", "0.5", only_integers=True) == 0.0
+
+
 def test_an_integer_too_long_for_int_is_still_judged():
     """int() refuses strings of more than 4300 digits; a degenerate policy boxes that many."""
     from lm_human_preference_details.grpo.rewards import math_reward

@@ -123,18 +123,14 @@ def test_mixed_precision_under_a_sharding_engine_is_refused():
 @pytest.mark.parametrize("speedup, precision", [(0.11, "no"), (3.1, "bf16")])
 def test_the_quickstart_takes_bf16_only_where_it_is_faster(monkeypatch, speedup, precision):
     """0.11: this project's CPU (AMD EPYC without AVX512-BF16) emulates bfloat16; 3.1: one with AVX512-BF16."""
-    from lm_human_preference_details import quickstart
-
-    monkeypatch.setattr(quickstart, "bf16_speedup", lambda device: speedup)
-    chosen, reason = quickstart.fastest_precision(torch.device("cpu"))
+    monkeypatch.setattr(sharding, "bf16_speedup", lambda device: speedup)
+    chosen, reason = sharding.fastest_precision(torch.device("cpu"))
     assert chosen == precision
     assert f"{speedup:.1f}x" in reason or f"{speedup:.2f}x" in reason
 
 
 def test_the_bf16_probe_measures_both_precisions():
-    from lm_human_preference_details import quickstart
-
-    assert 0.01 < quickstart.bf16_speedup(torch.device("cpu")) < 100
+    assert 0.01 < sharding.bf16_speedup(torch.device("cpu")) < 100
 
 
 @pytest.mark.slow

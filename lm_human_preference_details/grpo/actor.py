@@ -148,7 +148,7 @@ class Actor:
                 choice["text"] if "text" in choice else choice["message"]["content"] for choice in choices
             ]  # completions or chat
             completions = [self.args.answer_prefix + t for t in texts]
-            rewards = [integer_reward(c, problem.answer) for c in completions]
+            rewards = [integer_reward(c, problem.answer, self.args.integer_answers) for c in completions]
             if None in rewards:  # math_verify's timeout is a SIGALRM: it needs a main thread, hence a process
                 rewards = await asyncio.get_running_loop().run_in_executor(
                     self._verifier, math_rewards, completions, problem.answer

@@ -150,6 +150,9 @@ class GRPOArgs(RunArgs):
     completion before it is scored"""
     chat: bool = False
     """send prompts as a user message through the model's chat template (/v1/chat/completions)"""
+    integer_answers: bool = False
+    """score the last boxed answer only as a plain integer, anything else 0: math_verify evaluates a boxed
+    expression, so a policy learns to box the question (`\\boxed{6-1}` scores as 5) instead of answering it"""
 
     # sampling
     group_size: int = 8
@@ -485,6 +488,27 @@ PRESETS: dict[str, GRPOArgs] = {
         steps=40,
         lr=1e-5,
         num_problems=512,
+        max_in_flight=8,
+        server_batch_size=64,
+    ),
+    # the reasoning quickstart (grpo/quickstart.py): SmolLM2-135M-Instruct asked through its chat template for
+    # one-digit + - * answers in \boxed{}; it computes many in prose but boxes few at first (near 0 success), so GRPO
+    # teaches it the format, then the arithmetic; only plain boxed integers score (integer_answers); 60 steps draw 240
+    # problems of the 300, leaving the rest for held-out checks (what it does: README.md)
+    "arith-chat": GRPOArgs(
+        preset="arith-chat",
+        model="smollm2-135m",
+        problems="arith",
+        arith_digits=1,
+        chat=True,
+        integer_answers=True,
+        group_size=8,
+        batch_size=32,
+        max_tokens=24,
+        temperature=0.7,
+        steps=60,
+        lr=1e-5,
+        num_problems=240,
         max_in_flight=8,
         server_batch_size=64,
     ),

@@ -110,17 +110,17 @@ def math_rewards(completions: list[str], answer: str) -> list[float]:
     return [math_reward(c, answer) for c in completions]
 
 
-def integer_reward(completion: str, answer: str) -> float | None:
+def integer_reward(completion: str, answer: str, only_integers: bool = False) -> float | None:
     """`math_reward` without math_verify where that is certain: no box (0.0), or a box and an answer
     that are both plain integers, signed or not (compared as integers, as math_verify would, without
     sympy in the verifier process: a policy that boxes `+2` would otherwise send every such group there).
-    None when math_verify must decide."""
+    None when math_verify must decide; 0.0 instead with `only_integers` (`--integer-answers`)."""
     boxed = last_boxed(completion)
     if boxed is None:
         return 0.0
     if INTEGER.fullmatch(boxed.strip()) and INTEGER.fullmatch(answer.strip()):
         return float(_canonical_integer(boxed) == _canonical_integer(answer))
-    return None
+    return 0.0 if only_integers else None
 
 
 def _canonical_integer(text: str) -> str:
@@ -172,7 +172,7 @@ def arithmetic_problems(
         raise UserError(f"digits={digits}: must be at least 1")
     if not operators or set(operators) - set(_OPERATORS):
         raise UserError(f"operators={operators!r}: use one or more of {''.join(_OPERATORS)} (answers must be integers)")
-    low, high = (0 if digits == 1 else 10 ** (digits - 1)), 10**digits - 1
+    low, high = operand_range(digits)
     rng = random.Random(seed)
     problems = []
     for i in range(count):
@@ -184,6 +184,31 @@ def arithmetic_problems(
             )
         )
     return problems
+
+
+def operand_range(digits: int) -> tuple[int, int]:
+    """The smallest and largest operand of exactly `digits` digits (0-9 for one)."""
+    return (0 if digits == 1 else 10 ** (digits - 1)), 10**digits - 1
+
+
+def problem_family(args: "GRPOArgs") -> list[Problem]:
+    """Every problem the task's generator can draw (`tiny-sums`: its 25; `arith`: every `a<op>b` of its digits), to
+    hold out the ones a run never shows; a UserError for a fixed set (the hub's, a file), which has no more."""
+    if args.problems == "tiny-sums":
+        return tiny_sums()
+    if args.problems == "arith":
+        low, high = operand_range(args.arith_digits)
+        return [
+            Problem(
+                prompt=args.arith_template.format(expression=f"{a}{op}{b}"),
+                answer=str(_OPERATORS[op](a, b)),
+                id=f"arith-{a}{op}{b}",
+            )
+            for op in "+-*"
+            for a in range(low, high + 1)
+            for b in range(low, high + 1)
+        ]
+    raise UserError(f"--problems {args.problems}: a fixed set, with no problems beyond the run's to hold out")
 
 
 def load_problems(source: str, split: str = "test", limit: int | None = None) -> list[Problem]:

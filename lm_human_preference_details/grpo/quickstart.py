@@ -1,0 +1,179 @@
+"""Stage 3 in one command: pipelined GRPO teaches SmolLM2-135M-Instruct to answer arithmetic in `\\boxed{}`, offline.
+
+    1. held out:  the problems of the task's family the training stream never shows; success before training
+    2. train:     pipelined GRPO (`grpo.launch`: servers, actor, trainer) on the `arith-chat` preset
+    3. held out:  the same problems, answered by the trained model (the run's last checkpoint)
+    4. results:   a PNG (success on the training stream and on the held-out problems, reward, lag, entropy) and a
+                  few answers before and after
+
+`python -m lm_human_preference_details.grpo.quickstart` (every `grpo.launch` flag can follow, e.g. `--steps 100`).
+Prompted as the model was trained to be prompted: the question as a user message through its chat template,
+asking for the answer in `\\boxed{}`. At the start the model often computes right but answers in prose ("3*0 = 0"),
+which the verifier does not take: GRPO first teaches it the format, from the groups where one attempt boxed its
+answer, then the arithmetic. The held-out success is sampled at the training temperature, one attempt per problem.
+It prints the servers' engine and the trainer's precision it takes, and why (`engine_choice`,
+`sharding.fastest_precision`: bf16 only where its matmuls are faster).
+"""
+
+import json
+import os
+import random
+import sys
+
+import torch
+
+from lm_human_preference_details import cli, sharding
+from lm_human_preference_details.grpo import launch
+from lm_human_preference_details.grpo.config import PRESETS, GRPOArgs, get_preset
+from lm_human_preference_details.grpo.rewards import (
+    Problem,
+    integer_reward,
+    load_task_problems,
+    math_reward,
+    problem_family,
+)
+from lm_human_preference_details.tracking import plot_curves, read_metrics, refuse_to_overwrite
+
+PRESET = "arith-chat"
+HELD_OUT = 100
+"""held-out problems evaluated before and after (at most)"""
+
+
+def engine_choice(args: GRPOArgs) -> str:
+    """The servers' engine `--engine` resolves to, and why, in a line."""
+    if args.server_engine() == "vllm":
+        return "vLLM (`--engine home` for this package's decoder)"
+    if args.engine == "home":
+        return "the home engine (grpo/server.py), as --engine says"
+    return (
+        "the home engine (grpo/server.py): vLLM is taken where a GPU is visible and `vllm_env --gpu` has made its "
+        "environment; on a CPU the home engine is the faster (it starts sooner and pauses less per weight update: "
+        "benchmarks/README.md); `--engine vllm` forces it"
+    )
+
+
+def held_out_problems(args: GRPOArgs) -> list[Problem]:
+    """Up to HELD_OUT problems of the task's family that the training stream never shows, in a seeded order."""
+    seen = {p.prompt for p in load_task_problems(args)}
+    unseen = [p for p in problem_family(args) if p.prompt not in seen]
+    if not unseen:
+        raise cli.UserError(
+            f"--problems {args.problems}: the training stream shows every problem of its family, none is left to hold "
+            "out; lower --num-problems"
+        )
+    random.Random(args.seed + 1).shuffle(unseen)
+    return unseen[:HELD_OUT]
+
+
+def answers(model_path: str, args: GRPOArgs, problems: list[Problem], seed: int) -> list[str]:
+    """One sampled completion per problem, as the servers sample them (the chat template with `--chat`, the run's
+    temperature and token limit, stopped at EOS)."""
+    from transformers import AutoModelForCausalLM
+
+    from lm_human_preference_details.assets import resolve_model_path
+    from lm_human_preference_details.text import load_tokenizer
+
+    path = resolve_model_path(model_path)
+    tokenizer = load_tokenizer(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    torch.manual_seed(seed)
+    completions = []
+    for problem in problems:
+        if args.chat:
+            ids = tokenizer.apply_chat_template(
+                [{"role": "user", "content": problem.prompt}], add_generation_prompt=True, return_dict=False
+            )
+        else:
+            ids = tokenizer(problem.prompt)["input_ids"]
+        prompt = torch.tensor([ids])
+        out = model.generate(  # (generate runs without gradients; the model's first build above trains it)
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=args.max_tokens,
+            do_sample=True,
+            temperature=args.temperature,
+            top_k=0,
+            top_p=1.0,
+            pad_token_id=tokenizer.eos_token_id,
+        )
+        completions.append(tokenizer.decode(out[0, prompt.shape[1] :], skip_special_tokens=True))
+    return completions
+
+
+def success(args: GRPOArgs, problems: list[Problem], completions: list[str]) -> list[float]:
+    """Each completion's reward, as the actor scores it (the answer prefix put back in front)."""
+    rewards = [
+        integer_reward(args.answer_prefix + c, p.answer, args.integer_answers) for p, c in zip(problems, completions)
+    ]
+    return [
+        math_reward(args.answer_prefix + c, p.answer) if r is None else r
+        for p, c, r in zip(problems, completions, rewards)
+    ]
+
+
+def plot(args: GRPOArgs, before: float, after: float, png: str) -> None:
+    """The run's curves, with the held-out success before (step 0) and after (the last step) on the success panel."""
+    metrics = os.path.join(args.output_dir, "metrics.jsonl")
+    last = read_metrics(metrics)[-1]["step"]
+    plot_curves(
+        metrics,
+        {
+            "success rate": ["success/rate"],
+            "reward": ["reward/mean"],
+            "lag (optimizer steps)": ["lag/mean"],
+            "entropy": ["entropy"],
+        },
+        png,
+        title=f"pipelined GRPO on {args.model}, preset {args.preset}",
+        points={"success rate": {"held out (before, after)": [(0, before), (last, after)]}},
+    )
+
+
+@cli.main_with_user_errors
+def main() -> None:
+    argv = sys.argv[1:]
+    if not any(a == "--output-dir" or a.startswith("--output-dir=") for a in argv):
+        argv = [*argv, "--output-dir", "runs/grpo-quickstart"]
+    args = cli.parse(GRPOArgs, get_preset, PRESET, argv=argv, description=__doc__.split("\n\n")[0], presets=PRESETS)
+    if args.resume:
+        raise cli.UserError("--resume: the quickstart starts over; resume its training with grpo.launch --resume")
+    refuse_to_overwrite(args.output_dir, resumable=False)
+    print(f"servers: {engine_choice(args)}")
+    if not any(a == "--mixed-precision" or a.startswith("--mixed-precision=") for a in argv):
+        args.mixed_precision, reason = sharding.fastest_precision()
+        print(f"trainer: {reason}")
+        if args.mixed_precision == "bf16" and args.server_dtype == "auto":
+            args.server_dtype = "bfloat16"  # the servers' weights in the precision their matmuls are fastest in
+    problems = held_out_problems(args)
+    print(f"held out: {len(problems)} problems the training stream never shows; answering them before training")
+    before = answers(args.model, args, problems, seed=args.seed)
+    rate_before = sum(success(args, problems, before)) / len(problems)
+    print(f"held-out success before training: {rate_before:.3f}")
+
+    launch.launch(args)
+
+    from lm_human_preference_details.grpo.trainer import checkpoint_model
+
+    after = answers(checkpoint_model(args.output_dir), args, problems, seed=args.seed)
+    scores_before, scores_after = success(args, problems, before), success(args, problems, after)
+    rate_after = sum(scores_after) / len(problems)
+    with open(os.path.join(args.output_dir, "held_out.jsonl"), "w") as f:
+        for problem, old, new, old_score, new_score in zip(problems, before, after, scores_before, scores_after):
+            record = {"prompt": problem.prompt, "answer": problem.answer, "before": old, "after": new}
+            f.write(json.dumps(record | {"reward_before": old_score, "reward_after": new_score}) + "\n")
+    png = os.path.join(args.output_dir, "learning_curves.png")
+    plot(args, rate_before, rate_after, png)
+    print("\n=== held-out problems, before and after training ===")
+    for problem, old, new in list(zip(problems, before, after))[:5]:
+        print(f"{problem.prompt!r} (answer {problem.answer})\n  before: {old!r}\n  after:  {new!r}")
+    stream = [r["success/rate"] for r in read_metrics(os.path.join(args.output_dir, "metrics.jsonl"))]
+    quarter = max(1, len(stream) // 4)
+    print(
+        f"\nsuccess on the training stream: {sum(stream[:quarter]) / quarter:.3f} (first {quarter} steps) -> "
+        f"{sum(stream[-quarter:]) / quarter:.3f} (last {quarter}); held out: {rate_before:.3f} -> {rate_after:.3f}"
+    )
+    print(f"learning curves: {png}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""The reasoning quickstart's code path on the tiny preset: held-out problems answered before and after a real
+pipelined GRPO run, a PNG, the answers printed."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from lm_human_preference_details.cli import UserError
+from lm_human_preference_details.grpo import quickstart
+from lm_human_preference_details.grpo.config import get_preset
+from lm_human_preference_details.grpo.rewards import Problem, load_task_problems, problem_family
+
+
+def test_held_out_problems_are_those_the_training_stream_never_shows():
+    args = get_preset("tiny")
+    args.num_problems = 20
+    training = {p.prompt for p in load_task_problems(args)}
+    held_out = quickstart.held_out_problems(args)
+    assert len(held_out) == 5 and not training & {p.prompt for p in held_out}
+    args.num_problems = 0  # all 25 sums in the stream: nothing left
+    with pytest.raises(UserError, match="none is left to hold out"):
+        quickstart.held_out_problems(args)
+
+
+def test_the_arith_family_is_every_expression_of_its_digits():
+    args = get_preset("arith-chat")
+    family = problem_family(args)
+    assert len(family) == 3 * 10 * 10 and len({p.prompt for p in family}) == 300
+    assert {p.answer for p in family if p.id == "arith-7*8"} == {"56"}
+    held_out = quickstart.held_out_problems(args)
+    assert 0 < len(held_out) <= quickstart.HELD_OUT
+
+
+def test_integer_answers_score_a_boxed_expression_zero():
+    """math_verify evaluates `\\boxed{6-1}` to 5: a policy learns to box the question. With integer answers only a
+    boxed integer counts."""
+    problem = [Problem(prompt="What is 6-1?", answer="5", id="arith-6-1")]
+    args = get_preset("arith-chat")
+    assert quickstart.success(args, problem, ["6-1 is \\boxed{6-1}"]) == [0.0]
+    assert quickstart.success(args, problem, ["6 - 1 = \\boxed{5}"]) == [1.0]
+    args.integer_answers = False
+    assert quickstart.success(args, problem, ["6-1 is \\boxed{6-1}"]) == [1.0]
+
+
+def test_the_quickstart_says_which_engine_serves_and_why():
+    args = get_preset("arith-chat")
+    if args.server_engine() == "home":  # no GPU with vLLM's GPU build here
+        assert "vLLM is taken where a GPU is visible" in quickstart.engine_choice(args)
+    args.engine = "home"
+    assert quickstart.engine_choice(args) == "the home engine (grpo/server.py), as --engine says"
+
+
+@pytest.mark.slow
+def test_the_quickstart_runs_end_to_end_on_the_tiny_preset(tmp_path):
+    out = tmp_path / "run"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lm_human_preference_details.grpo.quickstart",
+            "--task",
+            "tiny",
+            "--num-problems",
+            "20",
+            "--steps",
+            "30",
+            "--output-dir",
+            str(out),
+            "--wandb-mode",
+            "disabled",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    printed = result.stdout
+    assert "held-out success before training:" in printed
+    assert "=== held-out problems, before and after training ===" in printed
+    assert printed.count("  before: ") == 5 and printed.count("  after:  ") == 5
+    assert "held out: " in printed and "success on the training stream" in printed
+    assert "servers: " in printed and "trainer: " in printed  # the engine and precision it chose, and why
+    held_out = [json.loads(line) for line in (out / "held_out.jsonl").open()]
+    assert len(held_out) == 5 and {"before", "after", "reward_before", "reward_after"} <= set(held_out[0])
+    png = out / "learning_curves.png"
+    assert png.stat().st_size > 10_000
+    assert len([json.loads(line) for line in (out / "metrics.jsonl").open()]) == 30

@@ -87,6 +87,11 @@ def command_of(module_globals: dict) -> str | None:
     return f"python -m {spec.name.removesuffix('.__main__')}"
 
 
+def flag_given(argv: list[str], flag: str) -> bool:
+    """Whether the user gave `flag` (`--flag VALUE` or `--flag=VALUE`): a quickstart picks a default only if not."""
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
 def split_passthrough(argv: list[str] | None = None) -> tuple[list[str], list[str]]:
     """A script's own flags, and the flags after `--` that it hands to the stage it runs."""
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -47,7 +47,7 @@ def mean_of(records: list[dict], name: str) -> float:
 @cli.main_with_user_errors
 def main() -> None:
     argv = sys.argv[1:]
-    if not any(a == "--output-dir" or a.startswith("--output-dir=") for a in argv):
+    if not cli.flag_given(argv, "--output-dir"):
         argv = [*argv, "--output-dir", "runs/quickstart"]
     args = cli.parse(
         train_policy.Args,
@@ -57,7 +57,7 @@ def main() -> None:
         description=__doc__,
         presets=tasks.PRESETS,
     )
-    if not any(a == "--mixed-precision" or a.startswith("--mixed-precision=") for a in argv):
+    if not cli.flag_given(argv, "--mixed-precision"):
         args.mixed_precision, reason = sharding.fastest_precision()
         print(f"precision: {reason}")
     if not args.resume:  # refused before the models load and sample below, not after

@@ -20,6 +20,9 @@ What a stage does differently under a sharding engine, each the way the engine's
 - `save_training_state` / `load_training_state`: a checkpoint's model and optimizer, whole tensors under DDP and
   FSDP2 (accelerate's FULL_STATE_DICT), each process's ZeRO partition under DeepSpeed (accelerate's `save_state`);
 - `local_state_bytes`: what this process holds of parameters and optimizer state, to show the sharding.
+
+Precision: `make_accelerator(mixed_precision)` autocasts through accelerate, `check_mixed_precision` refuses what it
+cannot honour, and `fastest_precision` is the quickstarts' choice (bf16 only where its matmuls beat float32's).
 """
 
 import contextlib

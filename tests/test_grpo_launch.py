@@ -341,11 +341,23 @@ def test_ignore_eos_samples_every_completion_to_the_limit_and_sample_tables_come
 
 
 @pytest.mark.slow
-def test_chat_prompts_go_one_request_per_problem_through_the_chat_template(tmp_path):
+def test_chat_prompts_go_one_request_per_problem_through_the_chat_template_after_the_example(tmp_path):
     from transformers import AutoTokenizer
 
     model = save_tiny_math_with_chat_template(str(tmp_path / "model"))
-    run = Launched(tmp_path / "run", "--steps", "4", "--model", model, "--chat", "--problems-per-request", "4")
+    example = ["What is 1+1?", "\\boxed{2}"]  # a worked exchange before each problem (--chat-example)
+    run = Launched(
+        tmp_path / "run",
+        "--steps",
+        "4",
+        "--model",
+        model,
+        "--chat",
+        "--problems-per-request",
+        "4",
+        "--chat-example",
+        *example,
+    )
     assert run.finish() == 0, run.output()
     assert len(metrics(run.output_dir)) == 4
     with open(os.path.join(run.output_dir, "stream.jsonl")) as f:
@@ -353,7 +365,11 @@ def test_chat_prompts_go_one_request_per_problem_through_the_chat_template(tmp_p
     assert len(records) == 4 * 8 and all(len(r["attempts"]) == 8 for r in records)
     a, b = records[0]["problem_id"].split("-")[1:]
     expected = AutoTokenizer.from_pretrained(model).apply_chat_template(
-        [{"role": "user", "content": tiny_math_prompt(int(a), int(b))}],
+        [
+            {"role": "user", "content": example[0]},
+            {"role": "assistant", "content": example[1]},
+            {"role": "user", "content": tiny_math_prompt(int(a), int(b))},
+        ],
         add_generation_prompt=True,
         tokenize=True,
         return_dict=False,

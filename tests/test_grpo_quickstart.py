@@ -2,6 +2,7 @@
 pipelined GRPO run, a PNG, the answers printed."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -44,12 +45,70 @@ def test_integer_answers_score_a_boxed_expression_zero():
     assert quickstart.success(args, problem, ["6-1 is \\boxed{6-1}"]) == [1.0]
 
 
-def test_the_quickstart_says_which_engine_serves_and_why():
+def test_the_quickstart_says_which_engine_serves_and_why(monkeypatch):
     args = get_preset("arith-chat")
-    if args.server_engine() == "home":  # no GPU with vLLM's GPU build here
-        assert "vLLM is taken where a GPU is visible" in quickstart.engine_choice(args)
+    monkeypatch.setattr(type(args), "server_engine", lambda self: "home")  # what `auto` gives without a GPU
+    assert "vLLM is taken where a GPU is visible" in quickstart.engine_choice(args)
     args.engine = "home"
     assert quickstart.engine_choice(args) == "the home engine (grpo/server.py), as --engine says"
+    monkeypatch.setattr(type(args), "server_engine", lambda self: "vllm")
+    assert quickstart.engine_choice(args).startswith("vLLM")
+    args.servers = ["http://10.0.0.1:8000"]
+    assert quickstart.engine_choice(args) == "the servers at http://10.0.0.1:8000, as --servers says"
+
+
+def test_the_worked_example_comes_before_the_problem_in_the_chat():
+    args = get_preset("arith-chat")
+    question, answer = args.chat_example
+    assert args.chat_messages("What is 3+4?") == [
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "What is 3+4?"},
+    ]
+    assert not any(question == p.prompt for p in problem_family(args))  # the example is none of the task's problems
+    args.chat_example = []
+    assert args.chat_messages("What is 3+4?") == [{"role": "user", "content": "What is 3+4?"}]
+    args.chat_example = ["only a question"]
+    with pytest.raises(UserError, match="--chat-example: give two texts"):
+        args.check()
+    args.chat_example, args.chat = ["Q", "A"], False
+    with pytest.raises(UserError, match="without --chat"):
+        args.check()
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--resume"], "--resume: the quickstart starts over"),
+        (["--save-interval", "0"], "--save-interval 0: the held-out answers after training come from the last"),
+        (["--ignore-eos"], "--ignore-eos: the held-out answers stop at EOS"),
+        (["--problems", "gsm8k"], "--problems gsm8k: a fixed set.*--problems arith or tiny-sums"),
+        (["--arith-digits", "3"], "--arith-digits 3: its 2,430,000 problems are too many"),
+        (["--task", "tiny"], "--num-problems 0: the training stream shows all 25 problems.*below 25"),
+        (["--batch-size", "30"], "--batch-size 30 must be a multiple of --group-size 8"),
+    ],
+)
+def test_the_quickstart_refuses_what_it_cannot_do_before_any_model_loads(monkeypatch, capsys, tmp_path, flags, message):
+    monkeypatch.setattr(sys, "argv", ["quickstart", *flags, "--output-dir", str(tmp_path)])
+    with pytest.raises(SystemExit) as exit:
+        quickstart.main()
+    printed = capsys.readouterr()
+    assert exit.value.code == 2 and "held out:" not in printed.out
+    assert re.search(message, printed.err), printed.err[-2000:]
+
+
+def test_held_out_points_are_drawn_on_their_panel(tmp_path):
+    from PIL import Image
+
+    from lm_human_preference_details.tracking import plot_curves
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"step": s, "success/rate": s / 10}) + "\n" for s in range(1, 11)))
+    plain, marked = tmp_path / "plain.png", tmp_path / "marked.png"
+    plot_curves(str(metrics), {"success rate": ["success/rate"]}, str(plain), title="t")
+    points = {"success rate": {"held out": [(0, 0.0), (10, 0.9)]}}
+    plot_curves(str(metrics), {"success rate": ["success/rate"]}, str(marked), title="t", points=points)
+    assert Image.open(plain).tobytes() != Image.open(marked).tobytes()
 
 
 @pytest.mark.slow

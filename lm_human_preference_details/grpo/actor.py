@@ -190,7 +190,7 @@ class Actor:
                     self._request(
                         session,
                         "/v1/chat/completions",
-                        {"messages": [{"role": "user", "content": p.prompt}], **sampling},
+                        {"messages": self.args.chat_messages(p.prompt), **sampling},
                     )
                     for p in problems
                 )

@@ -150,6 +150,9 @@ class GRPOArgs(RunArgs):
     completion before it is scored"""
     chat: bool = False
     """send prompts as a user message through the model's chat template (/v1/chat/completions)"""
+    chat_example: list[str] = field(default_factory=list)
+    """with `chat`: a worked example, `QUESTION ANSWER`, put before every problem as an earlier exchange of the chat
+    (a one-shot prompt, as few-shot chat evaluations build one) to show the answer's format; empty: none"""
     integer_answers: bool = False
     """score the last boxed answer only as a plain integer, anything else 0: math_verify evaluates a boxed
     expression, so a policy learns to box the question (`\\boxed{6-1}` scores as 5) instead of answering it"""
@@ -378,8 +381,21 @@ class GRPOArgs(RunArgs):
             return max(1, cores // (servers + self.trainer_processes))
         return max(1, cores // self.trainer_processes) if role == "trainer" else max(1, cores // servers)
 
+    def chat_messages(self, prompt: str) -> list[dict[str, str]]:
+        """A problem's chat request: the worked example's exchange (`chat_example`), then the problem."""
+        example = []
+        if self.chat_example:
+            question, answer = self.chat_example
+            example = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+        return [*example, {"role": "user", "content": prompt}]
+
     def check(self) -> None:
         """Sizes that must fit together; a UserError names the field and the fix."""
+        if self.chat_example and (len(self.chat_example) != 2 or not self.chat):
+            raise UserError(
+                f"--chat-example: give two texts, a question and its answer, with --chat (got {len(self.chat_example)}"
+                f"{'' if self.chat else ' without --chat'})"
+            )
         if self.batch_size < self.group_size:
             raise UserError(f"--batch-size {self.batch_size} must be at least --group-size {self.group_size}")
         if self.group_size < 1 or self.group_size < 2 and self.use_advantages:
@@ -492,15 +508,20 @@ PRESETS: dict[str, GRPOArgs] = {
         server_batch_size=64,
     ),
     # the reasoning quickstart (grpo/quickstart.py): SmolLM2-135M-Instruct asked through its chat template for
-    # one-digit + - * answers in \boxed{}; it computes many in prose but boxes few at first (near 0 success), so GRPO
-    # teaches it the format, then the arithmetic; only plain boxed integers score (integer_answers); 60 steps draw 240
-    # problems of the 300, leaving the rest for held-out checks (what it does: README.md)
+    # one-digit + - * answers in \boxed{}, after one worked exchange that shows the format on a question outside the
+    # task (France's capital); it starts out mostly failing (it often answers in prose, or boxes a wrong number) and
+    # GRPO teaches it the format and the arithmetic; only plain boxed integers score (integer_answers); 60 steps draw
+    # 240 of the 300 problems (with repeats), the ones never drawn are for held-out checks (what it does: README.md)
     "arith-chat": GRPOArgs(
         preset="arith-chat",
         model="smollm2-135m",
         problems="arith",
         arith_digits=1,
         chat=True,
+        chat_example=[
+            "What is the capital of France? Put the final answer in \\boxed{}.",
+            "The capital of France is Paris.\n\nThe answer is \\boxed{Paris}.",
+        ],
         integer_answers=True,
         group_size=8,
         batch_size=32,

@@ -3,19 +3,22 @@
     1. held out:  the problems of the task's family the training stream never shows; success before training
     2. train:     pipelined GRPO (`grpo.launch`: servers, actor, trainer) on the `arith-chat` preset
     3. held out:  the same problems, answered by the trained model (the run's last checkpoint)
-    4. results:   a PNG (success on the training stream and on the held-out problems, reward, lag, entropy) and a
-                  few answers before and after
+    4. results:   a PNG (success on the training stream and on the held-out problems, reward, lag, entropy),
+                  held_out.jsonl and a few answers before and after
 
-`python -m lm_human_preference_details.grpo.quickstart` (every `grpo.launch` flag can follow, e.g. `--steps 100`).
+`python -m lm_human_preference_details.grpo.quickstart` (`grpo.launch` flags can follow, e.g. `--steps 100`; `check`
+refuses those it cannot honour).
 Prompted as the model was trained to be prompted: the question as a user message through its chat template,
-asking for the answer in `\\boxed{}`. At the start the model often computes right but answers in prose ("3*0 = 0"),
-which the verifier does not take: GRPO first teaches it the format, from the groups where one attempt boxed its
-answer, then the arithmetic. The held-out success is sampled at the training temperature, one attempt per problem.
+asking for the answer in `\\boxed{}`, after one worked exchange on a question outside the task (`chat_example`) that
+shows what the box is for. At the start the model mostly answers in prose or boxes a wrong number; GRPO teaches it
+the format and the arithmetic (without the example a right boxed answer is so rare that the first groups with a
+success come by luck). The held-out success is sampled at the training temperature, one attempt per problem.
 It prints the servers' engine and the trainer's precision it takes, and why (`engine_choice`,
 `sharding.fastest_precision`: bf16 only where its matmuls are faster).
 """
 
 import json
+import logging
 import os
 import random
 import sys
@@ -32,7 +35,7 @@ from lm_human_preference_details.grpo.rewards import (
     math_reward,
     problem_family,
 )
-from lm_human_preference_details.tracking import plot_curves, read_metrics, refuse_to_overwrite
+from lm_human_preference_details.tracking import plot_curves, progress_bar, read_metrics, refuse_to_overwrite
 
 PRESET = "arith-chat"
 HELD_OUT = 100
@@ -41,6 +44,8 @@ HELD_OUT = 100
 
 def engine_choice(args: GRPOArgs) -> str:
     """The servers' engine `--engine` resolves to, and why, in a line."""
+    if args.servers:
+        return f"the servers at {', '.join(args.servers)}, as --servers says"
     if args.server_engine() == "vllm":
         return "vLLM (`--engine home` for this package's decoder)"
     if args.engine == "home":
@@ -52,14 +57,27 @@ def engine_choice(args: GRPOArgs) -> str:
     )
 
 
+def check(args: GRPOArgs) -> None:
+    """What the quickstart cannot do with the flags given, refused before any model loads."""
+    args.check()
+    args.check_weight_backend()
+    if args.resume:
+        raise cli.UserError("--resume: the quickstart starts over; resume its training with grpo.launch --resume")
+    if args.save_interval == 0:
+        raise cli.UserError("--save-interval 0: the held-out answers after training come from the last checkpoint")
+    if args.ignore_eos:
+        raise cli.UserError("--ignore-eos: the held-out answers stop at EOS, as training's must to compare them")
+
+
 def held_out_problems(args: GRPOArgs) -> list[Problem]:
     """Up to HELD_OUT problems of the task's family that the training stream never shows, in a seeded order."""
+    family = problem_family(args)
     seen = {p.prompt for p in load_task_problems(args)}
-    unseen = [p for p in problem_family(args) if p.prompt not in seen]
+    unseen = [p for p in family if p.prompt not in seen]
     if not unseen:
         raise cli.UserError(
-            f"--problems {args.problems}: the training stream shows every problem of its family, none is left to hold "
-            "out; lower --num-problems"
+            f"--num-problems {args.num_problems}: the training stream shows all {len(family)} problems of "
+            f"--problems {args.problems}, none is left to hold out; pass a --num-problems below {len(family)}"
         )
     random.Random(args.seed + 1).shuffle(unseen)
     return unseen[:HELD_OUT]
@@ -73,20 +91,21 @@ def answers(model_path: str, args: GRPOArgs, problems: list[Problem], seed: int)
     from lm_human_preference_details.assets import resolve_model_path
     from lm_human_preference_details.text import load_tokenizer
 
-    path = resolve_model_path(model_path)
+    path = resolve_model_path(model_path)  # built on first use (tiny-math trains then: hence no torch.no_grad here)
     tokenizer = load_tokenizer(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
     torch.manual_seed(seed)
-    completions = []
+    completions, bar = [], progress_bar(len(problems), "held-out answers", "problem")
     for problem in problems:
         if args.chat:
             ids = tokenizer.apply_chat_template(
-                [{"role": "user", "content": problem.prompt}], add_generation_prompt=True, return_dict=False
+                args.chat_messages(problem.prompt), add_generation_prompt=True, return_dict=False
             )
         else:
-            ids = tokenizer(problem.prompt)["input_ids"]
-        prompt = torch.tensor([ids])
-        out = model.generate(  # (generate runs without gradients; the model's first build above trains it)
+            ids = tokenizer(problem.prompt, add_special_tokens=False)["input_ids"]  # as the servers tokenize
+        prompt = torch.tensor([ids], device=device)
+        out = model.generate(  # without gradients of its own
             prompt,
             attention_mask=torch.ones_like(prompt),
             max_new_tokens=args.max_tokens,
@@ -94,9 +113,12 @@ def answers(model_path: str, args: GRPOArgs, problems: list[Problem], seed: int)
             temperature=args.temperature,
             top_k=0,
             top_p=1.0,
+            eos_token_id=tokenizer.eos_token_id,  # the servers' stop token
             pad_token_id=tokenizer.eos_token_id,
         )
         completions.append(tokenizer.decode(out[0, prompt.shape[1] :], skip_special_tokens=True))
+        bar.update()
+    bar.close()
     return completions
 
 
@@ -131,23 +153,26 @@ def plot(args: GRPOArgs, before: float, after: float, png: str) -> None:
 
 @cli.main_with_user_errors
 def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s launch %(message)s")  # the launcher's progress
     argv = sys.argv[1:]
-    if not any(a == "--output-dir" or a.startswith("--output-dir=") for a in argv):
+    if not cli.flag_given(argv, "--output-dir"):
         argv = [*argv, "--output-dir", "runs/grpo-quickstart"]
     args = cli.parse(GRPOArgs, get_preset, PRESET, argv=argv, description=__doc__.split("\n\n")[0], presets=PRESETS)
-    if args.resume:
-        raise cli.UserError("--resume: the quickstart starts over; resume its training with grpo.launch --resume")
+    check(args)
     refuse_to_overwrite(args.output_dir, resumable=False)
+    problems = held_out_problems(args)
     print(f"servers: {engine_choice(args)}")
-    if not any(a == "--mixed-precision" or a.startswith("--mixed-precision=") for a in argv):
+    if cli.flag_given(argv, "--mixed-precision"):
+        print(f"trainer: {args.mixed_precision}, as --mixed-precision says")
+    else:
         args.mixed_precision, reason = sharding.fastest_precision()
         print(f"trainer: {reason}")
-        if args.mixed_precision == "bf16" and args.server_dtype == "auto":
-            args.server_dtype = "bfloat16"  # the servers' weights in the precision their matmuls are fastest in
-    problems = held_out_problems(args)
+    if args.mixed_precision == "bf16" and args.server_dtype == "auto":
+        args.server_dtype = "bfloat16"  # the servers' matmuls in the precision the trainer found fastest
     print(f"held out: {len(problems)} problems the training stream never shows; answering them before training")
     before = answers(args.model, args, problems, seed=args.seed)
-    rate_before = sum(success(args, problems, before)) / len(problems)
+    scores_before = success(args, problems, before)
+    rate_before = sum(scores_before) / len(problems)
     print(f"held-out success before training: {rate_before:.3f}")
 
     launch.launch(args)
@@ -155,7 +180,7 @@ def main() -> None:
     from lm_human_preference_details.grpo.trainer import checkpoint_model
 
     after = answers(checkpoint_model(args.output_dir), args, problems, seed=args.seed)
-    scores_before, scores_after = success(args, problems, before), success(args, problems, after)
+    scores_after = success(args, problems, after)
     rate_after = sum(scores_after) / len(problems)
     with open(os.path.join(args.output_dir, "held_out.jsonl"), "w") as f:
         for problem, old, new, old_score, new_score in zip(problems, before, after, scores_before, scores_after):

@@ -177,13 +177,13 @@ def arithmetic_problems(
     problems = []
     for i in range(count):
         a, op, b = rng.randint(low, high), rng.choice(operators), rng.randint(low, high)
-        expression = f"{a}{op}{b}"
-        problems.append(
-            Problem(
-                prompt=template.format(expression=expression), answer=str(_OPERATORS[op](a, b)), id=f"arith-{seed}-{i}"
-            )
-        )
+        problems.append(arithmetic_problem(a, op, b, template, id=f"arith-{seed}-{i}"))
     return problems
+
+
+def arithmetic_problem(a: int, op: str, b: int, template: str, id: str) -> Problem:
+    """`a<op>b` asked through `template` (its `{expression}`), with its integer answer."""
+    return Problem(prompt=template.format(expression=f"{a}{op}{b}"), answer=str(_OPERATORS[op](a, b)), id=id)
 
 
 def operand_range(digits: int) -> tuple[int, int]:
@@ -192,23 +192,27 @@ def operand_range(digits: int) -> tuple[int, int]:
 
 
 def problem_family(args: "GRPOArgs") -> list[Problem]:
-    """Every problem the task's generator can draw (`tiny-sums`: its 25; `arith`: every `a<op>b` of its digits), to
-    hold out the ones a run never shows; a UserError for a fixed set (the hub's, a file), which has no more."""
+    """Every problem the task's generator can draw (`tiny-sums`: its 25; `arith`: every `a<op>b` of its digits, up
+    to 2), to hold out the ones a run never shows; a UserError for a fixed set (the hub's, a file)."""
     if args.problems == "tiny-sums":
         return tiny_sums()
     if args.problems == "arith":
+        if args.arith_digits > 2:
+            raise UserError(
+                f"--arith-digits {args.arith_digits}: its {3 * (9 * 10 ** (args.arith_digits - 1)) ** 2:,} problems "
+                "are too many to list for held-out checks; use 1 or 2"
+            )
         low, high = operand_range(args.arith_digits)
         return [
-            Problem(
-                prompt=args.arith_template.format(expression=f"{a}{op}{b}"),
-                answer=str(_OPERATORS[op](a, b)),
-                id=f"arith-{a}{op}{b}",
-            )
+            arithmetic_problem(a, op, b, args.arith_template, id=f"arith-{a}{op}{b}")
             for op in "+-*"
             for a in range(low, high + 1)
             for b in range(low, high + 1)
         ]
-    raise UserError(f"--problems {args.problems}: a fixed set, with no problems beyond the run's to hold out")
+    raise UserError(
+        f"--problems {args.problems}: a fixed set, with no problems beyond the run's to hold out; the quickstart takes "
+        "--problems arith or tiny-sums (train on a fixed set with grpo.launch)"
+    )
 
 
 def load_problems(source: str, split: str = "test", limit: int | None = None) -> list[Problem]:

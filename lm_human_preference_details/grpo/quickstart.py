@@ -30,7 +30,6 @@ from lm_human_preference_details.grpo import launch
 from lm_human_preference_details.grpo.config import PRESETS, GRPOArgs, get_preset
 from lm_human_preference_details.grpo.rewards import (
     Problem,
-    integer_reward,
     load_task_problems,
     math_reward,
     problem_family,
@@ -124,21 +123,13 @@ def answers(model_path: str, args: GRPOArgs, problems: list[Problem], seed: int)
 
 def success(args: GRPOArgs, problems: list[Problem], completions: list[str]) -> list[float]:
     """Each completion's reward, as the actor scores it (the answer prefix put back in front)."""
-    rewards = [
-        integer_reward(args.answer_prefix + c, p.answer, args.integer_answers) for p, c in zip(problems, completions)
-    ]
-    return [
-        math_reward(args.answer_prefix + c, p.answer) if r is None else r
-        for p, c, r in zip(problems, completions, rewards)
-    ]
+    return [math_reward(args.answer_prefix + c, p.answer, args.integer_answers) for p, c in zip(problems, completions)]
 
 
-def plot(args: GRPOArgs, before: float, after: float, png: str) -> None:
-    """The run's curves, with the held-out success before (step 0) and after (the last step) on the success panel."""
-    metrics = os.path.join(args.output_dir, "metrics.jsonl")
-    last = read_metrics(metrics)[-1]["step"]
+def plot(args: GRPOArgs, before: float, after: float, last: int, png: str) -> None:
+    """The run's curves, with the held-out success before (step 0) and after (step `last`) on the success panel."""
     plot_curves(
-        metrics,
+        os.path.join(args.output_dir, "metrics.jsonl"),
         {
             "success rate": ["success/rate"],
             "reward": ["reward/mean"],
@@ -186,12 +177,13 @@ def main() -> None:
         for problem, old, new, old_score, new_score in zip(problems, before, after, scores_before, scores_after):
             record = {"prompt": problem.prompt, "answer": problem.answer, "before": old, "after": new}
             f.write(json.dumps(record | {"reward_before": old_score, "reward_after": new_score}) + "\n")
+    records = read_metrics(os.path.join(args.output_dir, "metrics.jsonl"))
     png = os.path.join(args.output_dir, "learning_curves.png")
-    plot(args, rate_before, rate_after, png)
+    plot(args, rate_before, rate_after, records[-1]["step"], png)
     print("\n=== held-out problems, before and after training ===")
     for problem, old, new in list(zip(problems, before, after))[:5]:
         print(f"{problem.prompt!r} (answer {problem.answer})\n  before: {old!r}\n  after:  {new!r}")
-    stream = [r["success/rate"] for r in read_metrics(os.path.join(args.output_dir, "metrics.jsonl"))]
+    stream = [r["success/rate"] for r in records]
     quarter = max(1, len(stream) // 4)
     print(
         f"\nsuccess on the training stream: {sum(stream[:quarter]) / quarter:.3f} (first {quarter} steps) -> "

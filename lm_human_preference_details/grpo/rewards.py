@@ -73,8 +73,9 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
-def math_reward(completion: str, answer: str) -> float:
+def math_reward(completion: str, answer: str, only_integers: bool = False) -> float:
     """1.0 when the last `\\boxed{}` of `completion` equals `answer` by math_verify, else 0.0. Never raises.
+    `only_integers` (`--integer-answers`): a box that is not a plain integer scores 0.0 without math_verify.
 
     Both sides are parsed in `\\boxed{...}` form: as bare strings math_verify's LaTeX extractor finds
     nothing in `\\frac12` or `\\dfrac{1}{2}`, and `1{,}000` reads as 1.
@@ -85,7 +86,7 @@ def math_reward(completion: str, answer: str) -> float:
     bound it from an asyncio loop or worker threads, run math_reward in a ProcessPoolExecutor, whose
     workers call it on their own main thread where the timeout works (PipelineRL's verifier does this).
     """
-    quick = integer_reward(completion, answer)
+    quick = integer_reward(completion, answer, only_integers)
     if quick is not None:
         return quick
     timeout = VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None

@@ -75,7 +75,7 @@ if [ "${SMOKE:-0}" = 1 ]; then
          --scaling --scaling-batches 8 --scaling-lengths 8)
     limits=(600 600)  # a busy 2-core machine, not the GPU's time budget
     # every table grpo_speed makes, and every kind of row but two flag variants of a launch (per-tensor
-    # updates, one thread per process: tests/test_grpo_launch.py runs those): the suite's smoke test of it
+    # updates, one thread per process: tests/grpo/test_launch.py runs those): the suite's smoke test of it
     grpo=(--steps 8 --repeats 1 --sync-steps 4 --pipeline-steps-ahead 2.5 --updates 2 --no-per-tensor-row --no-one-thread-row
           --scaling --scaling-batches 16 --scaling-tokens 3 --scaling-steps 5 -- --max-tokens 4)
 else  # one process per row (a GPU run varies less than the 2-core CPU's)

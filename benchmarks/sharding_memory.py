@@ -22,7 +22,7 @@ others still run.
 
 ZeRO-3 keeps every tensor below `stage3_param_persistence_threshold` elements (DeepSpeed's default 1e5) whole on
 every process: all of the `tiny` model's. `--zero3-persistence-threshold 0` runs a copy of configs/accelerate/
-zero3.json that shards them all (as tests/test_sharding.py does); without it the repository's config runs as is.
+zero3.json that shards them all (as tests/stages/test_sharding.py does); without it the repository's config runs as is.
 """
 
 import json

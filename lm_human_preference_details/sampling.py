@@ -59,7 +59,7 @@ def sample_responses(
 class StageHooks:
     """Where a stage script's queries, responses and shuffles come from, and a look at the model after each
     update. The defaults are the stage's own (OAI's behaviour); a replay of OAI's own run
-    (tests/oai_replay) passes the queries, responses and permutations that OAI drew."""
+    (tests/replays/oai_replay) passes the queries, responses and permutations that OAI drew."""
 
     query_sampler: Callable[..., Iterator[torch.Tensor]] = QuerySampler
     """called as `QuerySampler(task, tokenizer, batch_size=, seed=, rank=, world_size=)`; the stages use its `next`,

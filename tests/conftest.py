@@ -27,6 +27,9 @@ os.environ.update(
 os.environ.pop("WANDB_API_KEY", None)
 
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+"""the repository's root: tests in folders of their own reach its files from here"""
+
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}"
 
 

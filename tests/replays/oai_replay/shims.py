@@ -1,7 +1,7 @@
 """What OpenAI's 2019 TF1 code imports, under today's TensorFlow 2 and Python 3.11.
 
 `install()` swaps `tensorflow` for `tf.compat.v1` process-wide, so it runs only in the OAI subprocess
-(`tests/oai_replay/oai_run.py`), never in pytest's.
+(`tests/replays/oai_replay/oai_run.py`), never in pytest's.
 """
 
 import collections
@@ -10,7 +10,7 @@ import os
 import sys
 import types
 
-VENDORED = os.path.join(os.path.dirname(__file__), "..", "..", "third_party", "lm_human_preferences")
+VENDORED = os.path.join(os.path.dirname(__file__), "..", "..", "..", "third_party", "lm_human_preferences")
 
 
 def _module(name: str, **attributes) -> types.ModuleType:

@@ -9,13 +9,13 @@ import time
 
 import pytest
 import torch
-from conftest import accelerate_two_processes
 from safetensors.torch import load_file
 
 from lm_human_preference_details import sharding, train_policy
 from lm_human_preference_details.models import PolicyAndValue, RewardModel, load_causal_lm
 from lm_human_preference_details.text import load_tokenizer
 from lm_human_preference_details.tracking import read_metrics
+from tests.conftest import accelerate_two_processes
 
 QUIET = ("--wandb-mode", "disabled")
 

@@ -1,14 +1,14 @@
 """OpenAI's own lm-human-preferences (third_party/, TF1 under tf.compat.v1) trains; this project's unmodified stage
 functions replay its runs from the same weights, queries, sampled responses and shuffles, and must end every
-update with the same parameters and statistics (tests/oai_replay/replay.py says how)."""
+update with the same parameters and statistics (tests/replays/oai_replay/replay.py says how)."""
 
 import numpy as np
 import pytest
 import torch
-from oai_replay.replay import Shape, max_difference, prepare, replay_policy, replay_reward, run_oai
 
 from lm_human_preference_details.tasks import LabelHParams, TaskHParams
 from lm_human_preference_details.train_policy import PPOHParams, RewardHParams
+from tests.replays.oai_replay.replay import Shape, max_difference, prepare, replay_policy, replay_reward, run_oai
 
 TOLERANCE = 1e-5
 """the largest absolute difference of any parameter after any update, in float32"""

@@ -11,11 +11,11 @@ import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.conftest import REPO
 
 
 def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "benchmarks", f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -294,12 +294,12 @@ def test_gpu_sh_writes_every_speed_table_of_ppo_speed_and_grpo_speed(tmp_path):
     """benchmarks/gpu.sh as a lent GPU machine runs it, here on the CPU at seconds-long sizes: the smoke
     test of both speed scripts: every table they make, every kind of row but grpo_speed's two flag
     variants of a launch (per-tensor updates, one thread per process: the schedules test above and
-    tests/test_grpo_launch.py), and TRL's rows where LMHPD_TRL_PYTHON and LMHPD_TRL116_PYTHON name an
+    tests/grpo/test_launch.py), and TRL's rows where LMHPD_TRL_PYTHON and LMHPD_TRL116_PYTHON name an
     environment with it, as tests/run.sh makes them."""
     trl_python, trl116_python = os.environ.get("LMHPD_TRL_PYTHON"), os.environ.get("LMHPD_TRL116_PYTHON")
     out = tmp_path / "out"
     done = subprocess.run(
-        ["bash", os.path.join(ROOT, "benchmarks", "gpu.sh")],
+        ["bash", os.path.join(REPO, "benchmarks", "gpu.sh")],
         capture_output=True,
         text=True,
         env=dict(os.environ, OUT=str(out), DEVICE="cpu", SMOKE="1", WHEELS=str(tmp_path / "no_wheels")),
@@ -517,7 +517,7 @@ def test_grpo_speed_times_generation_alone_on_a_real_server_over_http(tmp_path, 
 @pytest.mark.slow
 def test_sharding_memory_puts_each_engine_beside_ddp_and_fsdp2_holds_at_most_06x_its_state(tmp_path, capsys):
     """benchmarks/sharding_memory.py on the tiny preset, every engine whose accelerate config is there: a row each
-    with its ratios to DDP. ZeRO-3 with every tensor sharded, as tests/test_sharding.py runs it (DeepSpeed keeps
+    with its ratios to DDP. ZeRO-3 with every tensor sharded, as tests/stages/test_sharding.py runs it (DeepSpeed keeps
     the tiny model's tensors, all below `stage3_param_persistence_threshold`, whole on every process)."""
     bench = load_script("sharding_memory")
     engines = [e for e in ("fsdp2", "zero2", "zero3") if os.path.isfile(os.path.join(bench.CONFIGS, f"{e}.yaml"))]

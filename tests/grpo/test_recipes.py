@@ -9,12 +9,12 @@ import subprocess
 
 import pytest
 import torch
-from test_grpo_launch import LAUNCH, Launched, metrics, no_launcher_left_behind, success_rise  # noqa: F401
-from test_grpo_trainer import sampled_groups, tiny_math  # noqa: F401
 
 from lm_human_preference_details import cli
 from lm_human_preference_details.grpo.config import LOSS_FIELDS, RECIPES, GRPOArgs, get_preset
 from lm_human_preference_details.grpo.trainer import accumulate_gradients, flatten_groups, pack
+from tests.grpo.test_launch import LAUNCH, Launched, metrics, no_launcher_left_behind, success_rise  # noqa: F401
+from tests.grpo.test_trainer import sampled_groups, tiny_math  # noqa: F401
 
 
 def parse(*flags: str) -> GRPOArgs:

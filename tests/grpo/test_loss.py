@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from lm_human_preference_details.grpo import loss as gl
+from tests.conftest import REPO
 
 F64 = torch.float64
 
@@ -684,7 +685,7 @@ def trl116_python() -> str:
         return os.environ["LMHPD_TRL116_PYTHON"]
     made = subprocess.run(
         ["bash", "benchmarks/trl_env.sh", ".venv-trl116", "1.16.0"],
-        capture_output=True, text=True, check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        capture_output=True, text=True, check=True, cwd=REPO,
     )  # fmt: skip
     return made.stdout.strip().splitlines()[-1]
 

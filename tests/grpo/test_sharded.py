@@ -15,16 +15,16 @@ import sys
 
 import pytest
 import torch
-from conftest import accelerate_two_processes
 from safetensors.torch import load_file
-from test_grpo_launch import Launched, metrics, success_rise
-from test_grpo_trainer import sampled_groups
 from transformers import AutoModelForCausalLM
 
 from lm_human_preference_details.grpo.server import load_for_inference
+from tests.conftest import REPO, accelerate_two_processes
+from tests.grpo.test_launch import Launched, metrics, success_rise
+from tests.grpo.test_trainer import sampled_groups
 
-CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs", "accelerate")
-ON_RANKS = os.path.join(os.path.dirname(__file__), "grpo_on_ranks.py")
+CONFIGS = os.path.join(REPO, "configs", "accelerate")
+ON_RANKS = os.path.join(os.path.dirname(__file__), "on_ranks.py")
 STEP_FLAGS = (
     *("--group-size", "4", "--batch-size", "12", "--temperature", "0.8", "--lr", "1e-3"),
     # the reference model (sharded too) and the entropy bonus's gradient

@@ -15,16 +15,16 @@ import time
 
 import pytest
 import torch
-from conftest import accelerate_two_processes
 from safetensors.torch import load_file
-from test_grpo_launch import LAUNCH
-from test_train_policy import QUIET, run
 
 from lm_human_preference_details import cli, quickstart, sharding, train_policy, train_reward
 from lm_human_preference_details.cli import UserError
 from lm_human_preference_details.grpo.config import get_preset
 from lm_human_preference_details.grpo.trainer import load_learner, save_checkpoint
 from lm_human_preference_details.tracking import read_metrics
+from tests.conftest import accelerate_two_processes
+from tests.grpo.test_launch import LAUNCH
+from tests.stages.test_train_policy import QUIET, run
 
 
 def one_line_error(monkeypatch, capsys, main, argv: list[str]) -> str:
@@ -215,7 +215,7 @@ def test_a_damaged_grpo_optimizer_state_is_a_user_error(tmp_path, grpo_run):
 def test_two_cpu_processes_resume_a_killed_run_to_the_same_weights(tmp_path, tiny_reward_model):
     """Each CPU process's device under accelerate is `cpu:<rank>`, which torch.load could not restore a checkpoint
     onto; the resumed run's updates are bitwise those of a run never stopped."""
-    script = os.path.join(os.path.dirname(__file__), "policy_on_ranks.py")
+    script = os.path.join(os.path.dirname(__file__), "..", "stages", "policy_on_ranks.py")
     flags = ["--task", "tiny", "--rewards.trained-model", tiny_reward_model, "--ppo.total-episodes", str(64 * 4)]
     flags += ["--save-interval", "1", *QUIET]
 

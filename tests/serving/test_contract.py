@@ -24,13 +24,13 @@ import time
 import openai
 import pytest
 import torch
-from conftest import free_port, post_raw, save_tiny_math_with_chat_template
 
 from lm_human_preference_details.grpo import vllm_env
 from lm_human_preference_details.grpo.client import ServerError, ServerProcess, request_json
 from lm_human_preference_details.grpo.protocol import MIN_TEMPERATURE
 from lm_human_preference_details.grpo.weights import WeightSender, buckets, digest, parameter_specs
 from lm_human_preference_details.models import load_causal_lm
+from tests.conftest import free_port, post_raw, save_tiny_math_with_chat_template
 
 LONG = 240  # tokens of the requests in flight during an update (tiny-math has 256 positions)
 BLOCK = 128  # vLLM's CPU KV-cache block: a prompt longer than it has a full block that the prefix cache keeps

@@ -1,7 +1,7 @@
 """The home-made inference server's own cases and the trainer's side of the weight update: buckets, the sender's
 failures, a server that refuses what another accepts, a server that cannot start, a bfloat16 server. The GRPO
 contract itself (token ids, logprobs, versions, bad requests, updates in flight, refused updates, a broken transfer)
-is tested against this server and the vLLM one alike in tests/test_grpo_contract.py."""
+is tested against this server and the vLLM one alike in tests/serving/test_contract.py."""
 
 import json
 import subprocess
@@ -9,7 +9,6 @@ import time
 
 import pytest
 import torch
-from conftest import save_tiny_math_with_chat_template
 
 from lm_human_preference_details.grpo.client import ServerError, ServerProcess, request_json
 from lm_human_preference_details.grpo.protocol import ParameterSpec
@@ -22,6 +21,7 @@ from lm_human_preference_details.grpo.weights import (
     unflatten,
 )
 from lm_human_preference_details.models import load_causal_lm
+from tests.conftest import save_tiny_math_with_chat_template
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ import sys
 
 import pytest
 import torch
-from conftest import accelerate_two_processes
 
 from lm_human_preference_details import train_reward
 from lm_human_preference_details.data import QuerySampler
@@ -17,6 +16,7 @@ from lm_human_preference_details.sampling import sample_responses
 from lm_human_preference_details.tasks import get_preset
 from lm_human_preference_details.text import load_tokenizer
 from lm_human_preference_details.tracking import read_metrics
+from tests.conftest import accelerate_two_processes
 
 
 def run_stage(

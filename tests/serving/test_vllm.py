@@ -1,6 +1,6 @@
 """The vLLM server's environment (`python -m lm_human_preference_details.grpo.vllm_env`) and what the server
 refuses before it starts. The GRPO contract itself is tested against the vLLM server and the home-made one alike in
-tests/test_grpo_contract.py."""
+tests/serving/test_contract.py."""
 
 import subprocess
 

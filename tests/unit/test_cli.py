@@ -7,7 +7,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import accelerate_two_processes
+
+from tests.conftest import accelerate_two_processes
 
 # one DDP step through the stage scripts' own accelerator and entry-point wrapper, then the native threads left
 DDP_STEP_THEN_LIST_THREADS = """

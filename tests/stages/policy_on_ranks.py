@@ -1,6 +1,6 @@
 """Run stage 2 under `accelerate launch`; each process writes its final weights and KL coefficient.
 
-Used by tests/test_train_policy.py to check that processes stay in sync; not a test itself.
+Used by tests/stages/test_train_policy.py to check that processes stay in sync; not a test itself.
 """
 
 import sys

@@ -1,6 +1,6 @@
 """The engine (in process): logprobs, continuous batching, weights swapped between two decode steps while
 sequences carry on with their KV cache; and the settings' checks and the actor's schedule (the trainer's side
-of the same tokens: tests/test_grpo_trainer.py)."""
+of the same tokens: tests/grpo/test_trainer.py)."""
 
 import threading
 import time

@@ -1,11 +1,11 @@
 """GRPO optimizer steps on the groups of a JSON file, through the trainer's own functions (`grpo/trainer.py`), in
 float64: in one process, or in each process of `accelerate launch --config_file configs/accelerate/fsdp2.yaml` with
-`--trainer-processes N`. `python tests/grpo_on_ranks.py STEPS_JSON GRPO_FLAGS...`: trains from the checkpoint
+`--trainer-processes N`. `python tests/grpo/on_ranks.py STEPS_JSON GRPO_FLAGS...`: trains from the checkpoint
 with `--resume` (else from the start) up to `--steps`, then checkpoints. Into `--output-dir`: the whole weights after
 each step (weights-N.safetensors), each step's stats (stats-N.json), and what each process holds of the policy
 (rank-R.json).
 
-Used by tests/test_grpo_sharded.py; not a test itself.
+Used by tests/grpo/test_sharded.py; not a test itself.
 """
 
 import dataclasses

@@ -3,7 +3,7 @@ would otherwise ignore; bad text, deep JSON, a huge prompt and a rendezvous that
 a hang, and a stop that waits for none of them; the control token; and a fuzz loop, against the home engine's server
 as a real process over real HTTP. What both engines must do alike (the SDK's streaming, stop strings, top logprobs and
 models; a rendezvous that never comes; a failed update rolled back; a client that hangs up) is tested against both in
-tests/test_grpo_contract.py."""
+tests/serving/test_contract.py."""
 
 import collections
 import concurrent.futures
@@ -22,11 +22,11 @@ import urllib.request
 
 import openai
 import pytest
-from conftest import post_raw, save_tiny_math_with_chat_template
-from test_grpo_contract import check_a_rendezvous_that_never_comes_is_a_clear_error, sdk
 
 from lm_human_preference_details.grpo.client import ServerError, ServerProcess, request_json
 from lm_human_preference_details.grpo.protocol import TOKEN_ENV
+from tests.conftest import post_raw, save_tiny_math_with_chat_template
+from tests.serving.test_contract import check_a_rendezvous_that_never_comes_is_a_clear_error, sdk
 
 HOME_SERVER = [sys.executable, "-m", "lm_human_preference_details.grpo.server"]
 

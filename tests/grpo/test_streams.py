@@ -9,7 +9,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import free_port, redis_client, with_stream
 
 from lm_human_preference_details.cli import UserError
 from lm_human_preference_details.grpo.streams import (
@@ -20,8 +19,9 @@ from lm_human_preference_details.grpo.streams import (
     open_writer,
     parse_stream_url,
 )
+from tests.conftest import free_port, redis_client, with_stream
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

@@ -14,12 +14,12 @@ import uuid
 from typing import ClassVar
 
 import pytest
-from conftest import redis_client, save_tiny_math_with_chat_template, with_stream
 
 from lm_human_preference_details.assets import tiny_math_prompt
 from lm_human_preference_details.grpo import vllm_env
 from lm_human_preference_details.grpo.client import request_json
 from lm_human_preference_details.tracking import read_metrics
+from tests.conftest import redis_client, save_tiny_math_with_chat_template, with_stream
 
 LAUNCH = [
     sys.executable,

@@ -16,7 +16,6 @@ import time
 import pytest
 import torch
 import yaml
-from conftest import accelerate_two_processes
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -24,8 +23,9 @@ from lm_human_preference_details import sharding
 from lm_human_preference_details.cli import UserError
 from lm_human_preference_details.models import RewardModel
 from lm_human_preference_details.tracking import read_metrics
+from tests.conftest import REPO, accelerate_two_processes
 
-CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs", "accelerate")
+CONFIGS = os.path.join(REPO, "configs", "accelerate")
 ENGINES = ["fsdp2", "zero2", "zero3"]
 
 

@@ -1,1 +1,0 @@
-"""OpenAI's own code beside the port: its shims, its runs recorded, their replay (tests/test_oai_replay.py)."""

@@ -9,7 +9,7 @@
 `python -m lm_human_preference_details.quickstart`: sized to finish on a laptop's CPU while you wait, with a
 progress bar on each long phase (sizes in tasks.py, preset `sentiment-smollm2`). Any train_policy.py flag can
 follow, e.g. `--ppo.total-episodes 320`. Without `--mixed-precision` it takes bf16 where that is faster than
-float32 (a GPU with bfloat16, a CPU whose bf16 matmuls beat float32's: `sharding.fastest_precision`), and says why.
+float32 (a GPU with bfloat16, a CPU whose bf16 matmuls beat float32's: `precision.fastest_precision`), and says why.
 Run again, it refuses to overwrite its earlier run: `--resume` continues that one (a finished one only shows its
 results again), another `--output-dir` starts a new one.
 """
@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from lm_human_preference_details import cli, labelers, sharding, tasks, train_policy
+from lm_human_preference_details import cli, labelers, precision, sharding, tasks, train_policy
 from lm_human_preference_details.data import QuerySampler, format_queries
 from lm_human_preference_details.models import load_causal_lm
 from lm_human_preference_details.sampling import sample_responses
@@ -58,7 +58,7 @@ def main() -> None:
         presets=tasks.PRESETS,
     )
     if not cli.flag_given(argv, "--mixed-precision"):
-        args.mixed_precision, reason = sharding.fastest_precision()
+        args.mixed_precision, reason = precision.fastest_precision()
         print(f"precision: {reason}")
     if not args.resume:  # refused before the models load and sample below, not after
         refuse_to_overwrite(args.output_dir, resumable=True)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from accelerate.utils import broadcast_object_list, set_seed
 
-from lm_human_preference_details import checkpoint, cli, labelers, ppo, sharding, tasks, train_reward
+from lm_human_preference_details import checkpoint, cli, labelers, ppo, precision, sharding, tasks, train_reward
 from lm_human_preference_details.data import format_queries
 from lm_human_preference_details.models import PolicyAndValue, RewardModel, load_causal_lm, logprobs_of
 from lm_human_preference_details.optim import OptimizerName, make_optimizer
@@ -311,7 +311,7 @@ def train(
     """
     hooks = hooks or StageHooks()
     validate(args, accelerator.num_processes)
-    sharding.check_accelerator(accelerator, args.mixed_precision)
+    precision.check_accelerator(accelerator, args.mixed_precision)
     requested = checkpoint.settings(args)  # as given: the reward model's path, filled in below, follows output_dir
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
     tokenizer = load_tokenizer(args.task.base_model)

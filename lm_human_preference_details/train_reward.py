@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
-from lm_human_preference_details import checkpoint, cli, labelers, sharding, tasks
+from lm_human_preference_details import checkpoint, cli, labelers, precision, sharding, tasks
 from lm_human_preference_details.data import Labels, QuerySampler, format_queries, load_labels, write_labels
 from lm_human_preference_details.make_labels import make_labels
 from lm_human_preference_details.models import RewardModel, load_causal_lm
@@ -226,7 +226,7 @@ def train(args: Args, accelerator: Accelerator, hooks: StageHooks | None = None)
     """
     hooks = hooks or StageHooks()
     validate(args, accelerator.num_processes)
-    sharding.check_accelerator(accelerator, args.mixed_precision)
+    precision.check_accelerator(accelerator, args.mixed_precision)
     # every process builds the same reward head, as OAI's rank 0 broadcasts its initial weights (`sync_models`
     # before training); then each its own stream
     # OAI: lm_human_preferences/train_reward.py#L317-L324

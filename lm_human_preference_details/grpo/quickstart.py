@@ -14,7 +14,7 @@ shows what the box is for. At the start the model mostly answers in prose or box
 the format and the arithmetic (without the example a right boxed answer is so rare that the first groups with a
 success come by luck). The held-out success is sampled at the training temperature, one attempt per problem.
 It prints the servers' engine and the trainer's precision it takes, and why (`engine_choice`,
-`sharding.fastest_precision`: bf16 only where its matmuls are faster).
+`precision.fastest_precision`: bf16 only where its matmuls are faster).
 """
 
 import json
@@ -25,7 +25,7 @@ import sys
 
 import torch
 
-from lm_human_preference_details import cli, sharding
+from lm_human_preference_details import cli, precision
 from lm_human_preference_details.grpo import launch
 from lm_human_preference_details.grpo.config import PRESETS, GRPOArgs, get_preset
 from lm_human_preference_details.grpo.rewards import (
@@ -156,7 +156,7 @@ def main() -> None:
     if cli.flag_given(argv, "--mixed-precision"):
         print(f"trainer: {args.mixed_precision}, as --mixed-precision says")
     else:
-        args.mixed_precision, reason = sharding.fastest_precision()
+        args.mixed_precision, reason = precision.fastest_precision()
         print(f"trainer: {reason}")
     if args.mixed_precision == "bf16" and args.server_dtype == "auto":
         args.server_dtype = "bfloat16"  # the servers' matmuls in the precision the trainer found fastest

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lm_human_preference_details import sharding
+from lm_human_preference_details import precision as run_precision
 from lm_human_preference_details.cli import UserError
 from lm_human_preference_details.tracking import read_metrics
 
@@ -108,25 +108,25 @@ def test_a_precision_the_run_cannot_honour_is_refused(monkeypatch, environment, 
     for key, value in environment.items():
         monkeypatch.setenv(key, value)
     with pytest.raises(UserError, match=words):
-        sharding.check_mixed_precision(precision, engine="single", device=torch.device("cpu"))
+        run_precision.check_mixed_precision(precision, engine="single", device=torch.device("cpu"))
 
 
 def test_mixed_precision_under_a_sharding_engine_is_refused():
     with pytest.raises(UserError, match="DDP or one process"):
-        sharding.check_mixed_precision("bf16", engine="fsdp2", device=torch.device("cpu"))
+        run_precision.check_mixed_precision("bf16", engine="fsdp2", device=torch.device("cpu"))
 
 
 @pytest.mark.parametrize("speedup, precision", [(0.11, "no"), (3.1, "bf16")])
 def test_the_quickstart_takes_bf16_only_where_it_is_faster(monkeypatch, speedup, precision):
     """0.11: this project's CPU (AMD EPYC without AVX512-BF16) emulates bfloat16; 3.1: one with AVX512-BF16."""
-    monkeypatch.setattr(sharding, "bf16_speedup", lambda device: speedup)
-    chosen, reason = sharding.fastest_precision(torch.device("cpu"))
+    monkeypatch.setattr(run_precision, "bf16_speedup", lambda device: speedup)
+    chosen, reason = run_precision.fastest_precision(torch.device("cpu"))
     assert chosen == precision
     assert f"{speedup:.1f}x" in reason or f"{speedup:.2f}x" in reason
 
 
 def test_the_bf16_probe_measures_both_precisions():
-    assert 0.01 < sharding.bf16_speedup(torch.device("cpu")) < 100
+    assert 0.01 < run_precision.bf16_speedup(torch.device("cpu")) < 100
 
 
 @pytest.mark.slow

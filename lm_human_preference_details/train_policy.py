@@ -54,6 +54,12 @@ class RewardHParams:
     horizon: float = 10000
     """episodes over which the adaptive controller corrects its error"""
 
+    def kl_controller(self) -> ppo.AdaptiveKLController | ppo.FixedKLController:
+        """The KL coefficient's controller (# OAI: lm_human_preferences/train_policy.py#L107-L124)."""
+        if self.adaptive_kl:
+            return ppo.AdaptiveKLController(self.kl_coef, self.target_kl, self.horizon)
+        return ppo.FixedKLController(self.kl_coef)
+
 
 @dataclass
 class PPOHParams:
@@ -302,6 +308,197 @@ def save_policy(path: str, model, tokenizer, accelerator) -> None:
     accelerator.wait_for_everyone()
 
 
+@dataclass(frozen=True)
+class BatchSizes:
+    """How a batch splits on each process (`validate` checks that they divide), and the run's number of updates."""
+
+    per_process: int
+    minibatch: int
+    micro_batch: int
+    num_updates: int
+
+    @classmethod
+    def of(cls, p: PPOHParams, world_size: int) -> "BatchSizes":
+        per_process = p.batch_size // world_size
+        minibatch = per_process // p.nminibatches
+        num_updates = -(-p.total_episodes // p.batch_size)  # ceil: # OAI: lm_human_preferences/train_policy.py#L78-L79
+        return cls(per_process, minibatch, minibatch // p.gradient_accumulation_steps, num_updates)
+
+
+def load_models(args: Args, tokenizer, accelerator) -> tuple[RewardModel, PolicyAndValue, PolicyAndValue]:
+    """The frozen reward model and reference policy, prepared for the engine (`Args.shard_frozen`), and the policy
+    to train, in this order (each value head's initialisation draws from the seeded RNG)."""
+    reward_model = load_reward_model(args.rewards.trained_model, tokenizer)
+    reward_model = sharding.prepare_frozen(accelerator, reward_model, args.shard_frozen)
+    ref_policy = PolicyAndValue(load_causal_lm(args.task.base_model), len(tokenizer))
+    ref_policy = sharding.prepare_frozen(accelerator, ref_policy, args.shard_frozen)
+    policy = PolicyAndValue(load_causal_lm(args.task.base_model), len(tokenizer)).to(accelerator.device)
+    return reward_model, ref_policy, policy
+
+
+def resume_loop(args: Args, accelerator, model, optimizer, kl_ctl, sampler, requested: dict) -> int:
+    """Restore the last checkpoint into the model, optimizer, KL controller and query sampler (its settings must be
+    `requested`, but for `MAY_CHANGE_ON_RESUME`); the update to continue from."""
+    loop = checkpoint.load(args.output_dir, accelerator, model, optimizer)
+    where = f"{args.output_dir}/checkpoint"
+    checkpoint.check_same_settings(loop.get("settings"), requested, MAY_CHANGE_ON_RESUME, where)
+    kl_ctl.value = loop["kl_coef"]
+    sampler.skip(loop["sampler_batches"])
+    accelerator.print(f"resumed after update {loop['update']}")
+    return loop["update"] + 1
+
+
+def save_loop(args: Args, accelerator, model, optimizer, update: int, kl_ctl, sampler, requested: dict) -> None:
+    """A checkpoint after `update`, with what `resume_loop` restores."""
+    loop_state = {
+        "update": update,
+        "kl_coef": kl_ctl.value,
+        "sampler_batches": sampler.batches_drawn,
+        "world_size": accelerator.num_processes,
+        "settings": requested,
+    }
+    checkpoint.save(args.output_dir, accelerator, model, optimizer, loop_state)
+
+
+@dataclass
+class Rollout:
+    """One update's batch on this process, as sampled, scored and rewarded; B rows, responses of R tokens."""
+
+    queries: torch.Tensor  # (B, Q) bare queries: what the reward model reads
+    contexts: torch.Tensor  # (B, Q'): what the policy reads
+    responses: torch.Tensor  # (B, R)
+    scored: torch.Tensor  # (B, R) the responses as scored (truncated)
+    scores: torch.Tensor  # (B,)
+    logprobs: torch.Tensor  # (B, R) at the temperature
+    values: torch.Tensor  # (B, R)
+    ref_logprobs: torch.Tensor  # (B, R)
+    rewards: torch.Tensor  # (B, R) the KL penalty per token, the score added on the last
+    non_score_reward: torch.Tensor  # (B, R) the KL penalty alone
+
+
+def rollout(
+    model,
+    ref_policy,
+    reward_model,
+    queries: torch.Tensor,
+    kl_coef: float,
+    task: TaskHParams,
+    tokenizer,
+    hooks,
+    accelerator,
+) -> Rollout:
+    """Responses to `queries` (`hooks.sample`), their logprobs and values, the reference's logprobs, the scores
+    (`score_responses`) and the rewards (`ppo.compute_rewards`)."""
+    pad_id = tokenizer.oai_pad_token_id
+    # under mixed precision the rollout's forwards autocast as the PPO epochs' do (the prepared model's forward
+    # does): the first minibatch's logprobs are the rollout's, its ratio 1
+    with torch.no_grad(), accelerator.autocast():
+        queries = queries.to(accelerator.device)
+        contexts = format_queries(queries, tokenizer, task)
+        with sharding.gathered(accelerator, model):
+            responses, _ = accelerator.unwrap_model(model).sample(
+                hooks.sample, contexts, pad_id, task.response_length, task.temperature, vocab_size=len(tokenizer)
+            )
+        logits, values = forward_responses(model, contexts, responses, pad_id, task.temperature)
+        logprobs = logprobs_of(logits, responses, 1.0)  # (B, R), logits already at the temperature
+        del logits
+        ref_logits, _ = forward_responses(ref_policy, contexts, responses, pad_id, task.temperature)
+        ref_logprobs = logprobs_of(ref_logits, responses, 1.0)
+        del ref_logits
+        scored, scores = score_responses(reward_model, queries, responses, task, pad_id)
+        rewards, non_score_reward = ppo.compute_rewards(scores, logprobs, ref_logprobs, kl_coef)
+    return Rollout(
+        queries, contexts, responses, scored, scores, logprobs, values, ref_logprobs, rewards, non_score_reward
+    )
+
+
+def ppo_epochs(
+    model,
+    optimizer,
+    batch: Rollout,
+    p: PPOHParams,
+    sizes: BatchSizes,
+    temperature: float,
+    pad_id: int,
+    hooks,
+    accelerator,
+) -> dict[str, list[torch.Tensor]]:
+    """`noptepochs` passes over the batch in shuffled minibatches (`hooks.permutation`), each one optimizer step over
+    `gradient_accumulation_steps` micro-batches; each minibatch's stats, as OAI logs them."""
+    ppo_stats: dict[str, list[torch.Tensor]] = {}
+    for _ in range(p.noptepochs):  # OAI: lm_human_preferences/train_policy.py#L184-L192
+        order = hooks.permutation(sizes.per_process, device=accelerator.device)
+        for mb in order.split(sizes.minibatch):
+            advantages, returns = ppo.minibatch_advantages(
+                batch.values[mb], batch.rewards[mb], p.gamma, p.lam, p.whiten_rewards
+            )
+            micro_stats = []
+            for micro_start in range(0, sizes.minibatch, sizes.micro_batch):
+                micro = slice(micro_start, micro_start + sizes.micro_batch)
+                idx = mb[micro]
+                last_micro = micro_start + sizes.micro_batch == sizes.minibatch
+                with contextlib.nullcontext() if last_micro else accelerator.no_sync(model):
+                    new_logits, new_values = forward_responses(
+                        model, batch.contexts[idx], batch.responses[idx], pad_id, temperature
+                    )
+                    new_logprobs = logprobs_of(new_logits, batch.responses[idx], 1.0)
+                    loss, stats = ppo.ppo_loss(
+                        new_logprobs,
+                        new_values,
+                        batch.logprobs[idx],
+                        batch.values[idx],
+                        advantages[micro],
+                        returns[micro],
+                        p.cliprange,
+                        p.cliprange_value,
+                        p.vf_coef,
+                        entropy=ppo.entropy_from_logits(new_logits.detach()),
+                    )
+                    accelerator.backward(loss / p.gradient_accumulation_steps)
+                stats.update(ppo.ratio_diagnostics(new_logprobs.detach(), batch.logprobs[idx]))
+                micro_stats.append(stats)
+            for k, v in ppo.merge_micro_batch_stats(micro_stats).items():  # the minibatch's, as OAI logs them
+                ppo_stats.setdefault(k, []).append(v)
+            optimizer.step()
+            optimizer.zero_grad()
+    return ppo_stats
+
+
+def update_metrics(
+    batch: Rollout, ppo_stats: dict, kl_coef: float, eval_labeler, tokenizer, accelerator, memory: dict
+) -> dict[str, float]:
+    """OAI's metrics of an update over all processes, `memory` (`sharding.memory_stats`) and, with an `eval_labeler`,
+    its score of the samples."""
+    device, pad_id = accelerator.device, tokenizer.oai_pad_token_id
+    with torch.no_grad():
+        kl = (batch.logprobs - batch.ref_logprobs).sum(1)  # (B,), # OAI: lm_human_preferences/train_policy.py#L217-L262
+        local = {
+            "objective/kl": kl.mean(),
+            # OAI: lm_human_preferences/train_policy.py#L222 (the summed -logprobs)
+            "objective/entropy": (-batch.logprobs).sum(1).mean(),
+            "objective/scores": batch.scores.mean(),
+            "objective/score_total": (batch.scores + batch.non_score_reward.sum(1)).mean(),
+            "objective/kl_coef": torch.tensor(kl_coef, device=device),
+            **{f"ppo/{k}": v for k, v in ppo.reduce_minibatch_stats(ppo_stats).items()},
+        }
+        if eval_labeler is not None:
+            score = eval_labeler(decoded(tokenizer, batch.queries, pad_id), decoded(tokenizer, batch.scored, pad_id))
+            local["objective/labeler_score"] = torch.tensor(score, dtype=torch.float32, device=device).mean()
+        metrics = ppo.reduce_across_processes(local, accelerator.reduce) | memory
+    # OAI: lm_human_preferences/train_policy.py#L241
+    metrics["ppo/val/var_explained"] = 1 - metrics["ppo/val/error"] / max(metrics["ppo/returns/var"], 1e-12)
+    return metrics
+
+
+def log_samples(tracker: Tracker, update: int, batch: Rollout, tokenizer) -> None:
+    """The first 8 queries, responses (as scored) and scores of the batch."""
+    pad_id = tokenizer.oai_pad_token_id
+    rows = zip(
+        decoded(tokenizer, batch.queries[:8], pad_id), decoded(tokenizer, batch.scored[:8], pad_id), batch.scores[:8]
+    )
+    tracker.log_samples(update, [{"query": q, "response": r, "score": float(s)} for q, r, s in rows])
+
+
 def train(
     args: Args, accelerator, hooks: StageHooks | None = None
 ) -> tuple[PolicyAndValue, ppo.AdaptiveKLController | ppo.FixedKLController]:
@@ -313,43 +510,26 @@ def train(
     validate(args, accelerator.num_processes)
     precision.check_accelerator(accelerator, args.mixed_precision)
     requested = checkpoint.settings(args)  # as given: the reward model's path, filled in below, follows output_dir
-    device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
+    rank, world = accelerator.process_index, accelerator.num_processes
     tokenizer = load_tokenizer(args.task.base_model)
     tasks.check_truncate_token(args.task, len(tokenizer))  # like a bad labeler name: an error before stage 1, not after
     eval_labeler = labelers.load_labeler(args.eval_labeler) if args.eval_labeler else None
     args.rewards.trained_model, args.resume = reward_model_and_resume(args, accelerator)
     set_seed(args.seed + rank * 100003)  # OAI: lm_human_preferences/utils/core.py#L108-L111
     pad_id = tokenizer.oai_pad_token_id
-    reward_model = load_reward_model(args.rewards.trained_model, tokenizer)
-    reward_model = sharding.prepare_frozen(accelerator, reward_model, args.shard_frozen)
-    ref_policy = PolicyAndValue(load_causal_lm(args.task.base_model), len(tokenizer))
-    ref_policy = sharding.prepare_frozen(accelerator, ref_policy, args.shard_frozen)
-    policy = PolicyAndValue(load_causal_lm(args.task.base_model), len(tokenizer)).to(device)
-    p = args.ppo
+    reward_model, ref_policy, policy = load_models(args, tokenizer, accelerator)
+    p, sizes = args.ppo, BatchSizes.of(args.ppo, world)
     optimizer = make_optimizer(p.optimizer, policy.parameters(), p.lr, p.adam_eps)
-    kl_ctl = (
-        ppo.AdaptiveKLController(args.rewards.kl_coef, args.rewards.target_kl, args.rewards.horizon)
-        if args.rewards.adaptive_kl
-        else ppo.FixedKLController(args.rewards.kl_coef)
-    )  # OAI: lm_human_preferences/train_policy.py#L107-L124
-    per_process = p.batch_size // world
-    minibatch = per_process // p.nminibatches
-    micro_batch = minibatch // p.gradient_accumulation_steps
-    num_updates = -(-p.total_episodes // p.batch_size)  # ceil: # OAI: lm_human_preferences/train_policy.py#L78-L79
+    kl_ctl = args.rewards.kl_controller()
     sampler = hooks.query_sampler(
-        args.task, tokenizer, batch_size=per_process, seed=args.task.query_seed, rank=rank, world_size=world
+        args.task, tokenizer, batch_size=sizes.per_process, seed=args.task.query_seed, rank=rank, world_size=world
     )
-    model, optimizer = sharding.prepare(accelerator, policy, optimizer, micro_batch, p.gradient_accumulation_steps)
-
-    start_update = 1
-    if args.resume:
-        loop = checkpoint.load(args.output_dir, accelerator, model, optimizer)
-        where = f"{args.output_dir}/checkpoint"
-        checkpoint.check_same_settings(loop.get("settings"), requested, MAY_CHANGE_ON_RESUME, where)
-        kl_ctl.value, start_update = loop["kl_coef"], loop["update"] + 1
-        sampler.skip(loop["sampler_batches"])
-        accelerator.print(f"resumed after update {loop['update']}")
+    model, optimizer = sharding.prepare(
+        accelerator, policy, optimizer, sizes.micro_batch, p.gradient_accumulation_steps
+    )
+    start_update = resume_loop(args, accelerator, model, optimizer, kl_ctl, sampler, requested) if args.resume else 1
     tracker = Tracker.for_run(args, "policy", accelerator, resume_after_step=start_update - 1 if args.resume else None)
+    num_updates = sizes.num_updates
     bar = progress_bar(
         num_updates, "PPO updates", "update", enabled=accelerator.is_main_process, initial=start_update - 1
     )
@@ -361,98 +541,23 @@ def train(
             group["lr"] = lr
 
         # ---------------------------------------------------------------- rollout, score, rewards
-        # under mixed precision the rollout's forwards autocast as the PPO epochs' do (the prepared model's forward
-        # does): the first minibatch's logprobs are the rollout's, its ratio 1
-        with torch.no_grad(), accelerator.autocast():
-            queries = next(sampler).to(device)  # (B, Q) bare queries: what the reward model reads
-            contexts = format_queries(queries, tokenizer, args.task)  # (B, Q'): what the policy reads
-            with sharding.gathered(accelerator, model):
-                responses, _ = accelerator.unwrap_model(model).sample(
-                    hooks.sample,
-                    contexts,
-                    pad_id,
-                    args.task.response_length,
-                    args.task.temperature,
-                    vocab_size=len(tokenizer),
-                )
-            logits, values = forward_responses(model, contexts, responses, pad_id, args.task.temperature)
-            logprobs = logprobs_of(logits, responses, 1.0)  # (B, R), logits already at the temperature
-            del logits
-            ref_logits, _ = forward_responses(ref_policy, contexts, responses, pad_id, args.task.temperature)
-            ref_logprobs = logprobs_of(ref_logits, responses, 1.0)
-            del ref_logits
-            scored, scores = score_responses(reward_model, queries, responses, args.task, pad_id)  # (B, R), (B,)
-            rewards, non_score_reward = ppo.compute_rewards(scores, logprobs, ref_logprobs, kl_ctl.value)
+        queries = next(sampler)
+        batch = rollout(
+            model, ref_policy, reward_model, queries, kl_ctl.value, args.task, tokenizer, hooks, accelerator
+        )
 
         # ---------------------------------------------------------------- PPO epochs
-        ppo_stats: dict[str, list[torch.Tensor]] = {}
-        for _ in range(p.noptepochs):  # OAI: lm_human_preferences/train_policy.py#L184-L192
-            order = hooks.permutation(per_process, device=device)
-            for mb in order.split(minibatch):
-                advantages, returns = ppo.minibatch_advantages(
-                    values[mb], rewards[mb], p.gamma, p.lam, p.whiten_rewards
-                )
-                micro_stats = []
-                for micro_start in range(0, minibatch, micro_batch):
-                    micro = slice(micro_start, micro_start + micro_batch)
-                    idx = mb[micro]
-                    last_micro = micro_start + micro_batch == minibatch
-                    with contextlib.nullcontext() if last_micro else accelerator.no_sync(model):
-                        new_logits, new_values = forward_responses(
-                            model, contexts[idx], responses[idx], pad_id, args.task.temperature
-                        )
-                        new_logprobs = logprobs_of(new_logits, responses[idx], 1.0)
-                        loss, stats = ppo.ppo_loss(
-                            new_logprobs,
-                            new_values,
-                            logprobs[idx],
-                            values[idx],
-                            advantages[micro],
-                            returns[micro],
-                            p.cliprange,
-                            p.cliprange_value,
-                            p.vf_coef,
-                            entropy=ppo.entropy_from_logits(new_logits.detach()),
-                        )
-                        accelerator.backward(loss / p.gradient_accumulation_steps)
-                    stats.update(ppo.ratio_diagnostics(new_logprobs.detach(), logprobs[idx]))
-                    micro_stats.append(stats)
-                for k, v in ppo.merge_micro_batch_stats(micro_stats).items():  # the minibatch's, as OAI logs them
-                    ppo_stats.setdefault(k, []).append(v)
-                optimizer.step()
-                optimizer.zero_grad()
+        ppo_stats = ppo_epochs(model, optimizer, batch, p, sizes, args.task.temperature, pad_id, hooks, accelerator)
 
         # ---------------------------------------------------------------- stats, KL controller
-        with torch.no_grad():
-            kl = (logprobs - ref_logprobs).sum(1)  # (B,), # OAI: lm_human_preferences/train_policy.py#L217-L262
-            local = {
-                "objective/kl": kl.mean(),
-                # OAI: lm_human_preferences/train_policy.py#L222 (the summed -logprobs)
-                "objective/entropy": (-logprobs).sum(1).mean(),
-                "objective/scores": scores.mean(),
-                "objective/score_total": (scores + non_score_reward.sum(1)).mean(),
-                "objective/kl_coef": torch.tensor(kl_ctl.value, device=device),
-                **{f"ppo/{k}": v for k, v in ppo.reduce_minibatch_stats(ppo_stats).items()},
-            }
-            memory = sharding.memory_stats(accelerator, model, optimizer, ref_policy, reward_model)  # largest of ranks
-            if eval_labeler is not None:
-                score = eval_labeler(decoded(tokenizer, queries, pad_id), decoded(tokenizer, scored, pad_id))
-                local["objective/labeler_score"] = torch.tensor(score, dtype=torch.float32, device=device).mean()
-            metrics = ppo.reduce_across_processes(local, accelerator.reduce) | memory
-        # OAI: lm_human_preferences/train_policy.py#L241
-        metrics["ppo/val/var_explained"] = 1 - metrics["ppo/val/error"] / max(metrics["ppo/returns/var"], 1e-12)
+        memory = sharding.memory_stats(accelerator, model, optimizer, ref_policy, reward_model)  # largest of ranks
+        metrics = update_metrics(batch, ppo_stats, kl_ctl.value, eval_labeler, tokenizer, accelerator, memory)
         kl_ctl.update(metrics["objective/kl"], p.batch_size)  # OAI: lm_human_preferences/train_policy.py#L305
         hooks.after_update(update, accelerator.unwrap_model(model))
 
         # ---------------------------------------------------------------- log, checkpoint
-        metrics.update(
-            {
-                "ppo/lr": lr,
-                "episodes": update * p.batch_size,
-                "time/update_s": time.time() - update_started,
-                "time/episodes_per_s": (update - start_update + 1) * p.batch_size / (time.time() - started),
-            }
-        )
+        metrics |= {"ppo/lr": lr, "episodes": update * p.batch_size, "time/update_s": time.time() - update_started}
+        metrics["time/episodes_per_s"] = (update - start_update + 1) * p.batch_size / (time.time() - started)
         tracker.log(update, metrics)
         bar.update()
         if accelerator.is_local_main_process:  # as accelerator.print, above the progress bar
@@ -462,17 +567,9 @@ def train(
                 f"approxkl {metrics['ppo/policy/approxkl']:.4f}  {metrics['time/update_s']:.1f}s"
             )
         if update % args.sample_interval == 0 or update in (1, num_updates):
-            rows = zip(decoded(tokenizer, queries[:8], pad_id), decoded(tokenizer, scored[:8], pad_id), scores[:8])
-            tracker.log_samples(update, [{"query": q, "response": r, "score": float(s)} for q, r, s in rows])
+            log_samples(tracker, update, batch, tokenizer)
         if (args.save_interval and update % args.save_interval == 0) or update == num_updates:
-            loop_state = {
-                "update": update,
-                "kl_coef": kl_ctl.value,
-                "sampler_batches": sampler.batches_drawn,
-                "world_size": world,
-                "settings": requested,
-            }
-            checkpoint.save(args.output_dir, accelerator, model, optimizer, loop_state)
+            save_loop(args, accelerator, model, optimizer, update, kl_ctl, sampler, requested)
     bar.close()
 
     save_policy(os.path.join(args.output_dir, "policy"), model, tokenizer, accelerator)

@@ -1,8 +1,13 @@
-"""What the speed benchmarks (benchmarks/*_speed.py) share: the device their processes run on, and how
-a benchmarked process is run and logged."""
+"""What the speed benchmarks (benchmarks/*_speed.py) share: the device their processes run on, how a
+benchmarked process is run and logged, the machine's CPU over a run's steady state, a GRPO server to time, and
+their markdown tables."""
 
+import contextlib
 import os
 import subprocess
+import threading
+import time
+from collections.abc import Iterator
 from typing import Literal
 
 Device = Literal["cpu", "cuda"]
@@ -75,3 +80,74 @@ def run_logged(cmd: list[str], log_path: str, env: dict[str, str], cwd: str | No
             tail = f.read()[-3000:]
         raise RuntimeError(f"{' '.join(cmd[:4])} ... failed ({process.returncode}); {log_path} ends:\n{tail}")
     return usage.ru_maxrss // 1024  # KiB on Linux
+
+
+class SteadyCpu(threading.Thread):
+    """The machine's CPU over a run's steady state: busy cores and CPU time per sample, from when
+    metrics.jsonl has `first_row` rows to when it has `last_row` (a thread polling the file). Every process
+    counts, so that a schedule's whole cost is there (servers, actor, verifier, trainer); over the window,
+    samples/s = cores busy / CPU seconds per sample: the two ways one schedule can be faster than another."""
+
+    def __init__(self, metrics_path: str, first_row: int, last_row: int):
+        super().__init__(daemon=True)
+        self.path, self.rows_at = metrics_path, (first_row, last_row)
+        self.marks: list[tuple[float | None, float, int]] = []  # (busy CPU s, wall s, rows) at each
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        rows, metrics = 0, None
+        while True:  # a last look after stop(): a starved thread still sees the last row (late, not never)
+            stopping = self.done.is_set()
+            if metrics is None and os.path.exists(self.path):
+                metrics = open(self.path)
+            if metrics is not None:
+                rows += metrics.read().count("\n")  # whole lines only: a line being written counts once it ends
+            while len(self.marks) < 2 and rows >= self.rows_at[len(self.marks)]:
+                self.marks.append((busy_cpu_s(), time.perf_counter(), rows))
+            if stopping or len(self.marks) == 2:
+                break
+            self.done.wait(0.01)
+        if metrics is not None:
+            metrics.close()
+
+    def stop(self) -> None:
+        self.done.set()
+        self.join()
+
+    def result(self, samples_per_row: float) -> dict:
+        """cores_busy and cpu_ms_per_sample; nothing when the window was not seen or there is no /proc/stat."""
+        if len(self.marks) < 2 or self.marks[0][0] is None or self.marks[1][2] == self.marks[0][2]:
+            return {}
+        (cpu0, wall0, rows0), (cpu1, wall1, rows1) = self.marks
+        return {
+            "cores_busy": (cpu1 - cpu0) / (wall1 - wall0),
+            "cpu_ms_per_sample": (cpu1 - cpu0) * 1e3 / ((rows1 - rows0) * samples_per_row),
+        }
+
+
+@contextlib.contextmanager
+def served(settings, engine: Literal["home", "vllm"], folder: str, device: Device) -> Iterator[str]:
+    """A server of `engine` for `settings` (`GRPOArgs`), started as the launcher starts one (`ServerEngine`, with
+    `server_flags`), its log and vLLM's caches in `folder`: its URL, until the block ends."""
+    from lm_human_preference_details.grpo.launch import ServerEngine, server_flags
+
+    starter = ServerEngine(engine, folder)
+    flags = server_flags(settings, starter.model_for_servers(settings.model), version=0, i=0)
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "server.log"), "wb") as log:  # the child keeps its own handle
+        server_process = starter.start(0, flags, log, device_env(device))
+    try:
+        yield server_process.wait_until_serving()
+    finally:
+        server_process.process.terminate()
+        server_process.process.wait(timeout=60)
+        starter.cleanup()
+
+
+def markdown_table(caption: str, header: list[str], rows: list[list[str]]) -> list[str]:
+    """A markdown table's lines: its caption, a blank line, the header, its rule and a line per row of cells."""
+    return [caption, "", _table_line(header), "|" + "---|" * len(header), *(_table_line(row) for row in rows)]
+
+
+def _table_line(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"

@@ -83,7 +83,7 @@ def test_mean_std_by_step():
 def test_grpo_speed_rows_per_tensor_updates_and_one_thread_sync_are_flag_variants_of_the_launch(monkeypatch):
     for name in ("TRANSFORMERS_VERBOSITY", "HF_HUB_DISABLE_PROGRESS_BARS"):  # the parse sets them: not for later tests
         monkeypatch.delenv(name, raising=False)
-    speed = load_script("grpo_speed")
+    speed = load_script("grpo_speed_schedules")
     names = dict(speed.schedules(speed.Args(task="tiny", sync_steps=[4, 8])))  # tiny sends its updates in buckets
     assert names == {
         "pipeline": ["--mode", "pipeline"],
@@ -128,7 +128,8 @@ def wait_for(condition, timeout_s: float = 10.0) -> None:
 
 
 def test_grpo_speed_counts_the_machines_cpu_between_two_rows_of_the_metrics(tmp_path):
-    speed = load_script("grpo_speed")
+    from lm_human_preference_details import benchmarking as speed
+
     metrics = tmp_path / "metrics.jsonl"
     cpu = speed.SteadyCpu(str(metrics), first_row=2, last_row=4)
     cpu.start()
@@ -158,6 +159,7 @@ def test_grpo_speed_rows_are_over_the_steps_after_the_warm_up_and_the_table_show
     """Start-up is no schedule's: samples/s, tokens/s and lag leave out the first `warm` steps (the CPU columns'
     window), so that samples/s = 1000 x cores busy / CPU ms per sample holds in the table."""
     speed = load_script("grpo_speed")
+    schedules = load_script("grpo_speed_schedules")
     # 8 steps of 64 samples: a slow start (1 s), then 0.1 s a step; lag 0 at first, then 1, 3 by turns (rounds of 2)
     elapsed = [1.0 + 0.1 * i for i in range(8)]
     rows = [
@@ -171,7 +173,7 @@ def test_grpo_speed_rows_are_over_the_steps_after_the_warm_up_and_the_table_show
         }
         for i, t in enumerate(elapsed)
     ]
-    row = speed.steady_state(rows, warm=2, round_steps=2)
+    row = schedules.steady_state(rows, warm=2, round_steps=2)
     assert row["samples_per_s"] == pytest.approx(640) and row["s_per_step"] == pytest.approx(0.1)
     assert row["tokens_per_s"] == pytest.approx(640 * 6) and row["lag_steady"] == pytest.approx(2.0)
     assert row["samples_per_s_whole_run"] == pytest.approx(512 / 1.7)
@@ -187,7 +189,7 @@ def test_grpo_speed_rows_are_over_the_steps_after_the_warm_up_and_the_table_show
 
 
 def test_grpo_speed_compares_each_sync_schedule_with_the_fastest_pipeline_at_no_more_lag():
-    speed = load_script("grpo_speed")
+    speed = load_script("grpo_speed_schedules")
     rounds = {
         "pipeline": [(100, 2.9), (120, 2.8)],
         "pipeline, 2 steps ahead": [(80, 1.4), (90, 1.6)],
@@ -377,7 +379,7 @@ def test_gpu_sh_writes_every_speed_table_of_ppo_speed_and_grpo_speed(tmp_path):
 def test_grpo_speed_with_vllm_adds_a_pipeline_and_a_sync_row_on_it_and_names_the_home_engine(monkeypatch):
     for name in ("TRANSFORMERS_VERBOSITY", "HF_HUB_DISABLE_PROGRESS_BARS"):  # the parse sets them: not for later tests
         monkeypatch.delenv(name, raising=False)
-    speed = load_script("grpo_speed")
+    speed = load_script("grpo_speed_schedules")
     args = speed.Args(
         task="tiny", sync_steps=[4, 8], engines=["home", "vllm"], pipeline_steps_ahead=[6], one_thread_row=False
     )
@@ -395,6 +397,7 @@ def test_grpo_speed_with_vllm_adds_a_pipeline_and_a_sync_row_on_it_and_names_the
 
 def test_grpo_speed_matches_lag_within_an_engine_and_rates_every_row_against_the_first():
     speed = load_script("grpo_speed")
+    schedules = load_script("grpo_speed_schedules")
     rounds = {
         "pipeline": [(100, 2.0)],
         "sync G=4": [(50, 1.5)],
@@ -404,7 +407,7 @@ def test_grpo_speed_matches_lag_within_an_engine_and_rates_every_row_against_the
     runs = {name: [{"samples_per_s": s, "lag_steady": lag} for s, lag in rs] for name, rs in rounds.items()}
     med = {name: rs[0] for name, rs in runs.items()}
     rows = {
-        line.split(" | ")[0].strip("| "): line for line in speed.matched_lag(runs, med) if line.startswith("| sync")
+        line.split(" | ")[0].strip("| "): line for line in schedules.matched_lag(runs, med) if line.startswith("| sync")
     }
     assert rows["sync G=4"] == "| sync G=4 | 1.50 | none is as on-policy | - | - | - |"
     assert rows["sync G=4, vLLM"] == "| sync G=4, vLLM | 1.50 | pipeline, vLLM | 1.00 | 2.00x | 2.00 |"
@@ -472,7 +475,7 @@ def test_grpo_speed_tables_of_weight_updates_per_engine_and_of_generation_agains
 def test_grpo_speed_generation_requests_are_the_actors(monkeypatch):
     for name in ("TRANSFORMERS_VERBOSITY", "HF_HUB_DISABLE_PROGRESS_BARS"):  # the parse sets them: not for later tests
         monkeypatch.delenv(name, raising=False)
-    speed = load_script("grpo_speed")
+    speed = load_script("grpo_speed_generation")
     from lm_human_preference_details.grpo.rewards import load_task_problems
 
     tiny = speed.generation_settings("tiny")
@@ -504,7 +507,7 @@ def test_grpo_speed_times_generation_alone_on_a_real_server_over_http(tmp_path, 
     from lm_human_preference_details.assets import resolve_model_path
 
     resolve_model_path("tiny-math")  # built here on first use (minutes on a busy CPU), not within the server's start
-    speed = load_script("grpo_speed")
+    speed = load_script("grpo_speed_generation")
     args = speed.Args(out_dir=str(tmp_path), generation_requests=3, generation_tokens=5, generation_in_flight=2)
     row = speed.time_generation(args, "tiny", "home")
     # 3 requests of the step's 8 problems x 8 samples, every sample 5 tokens long (past EOS)

@@ -354,9 +354,9 @@ def launch(args: GRPOArgs) -> None:
             "from its first, which maxlen trims away; run without maxlen to be able to resume"
         )
     if args.resume:
-        from lm_human_preference_details.grpo import trainer  # torch and transformers: only to resume
+        from lm_human_preference_details.grpo import checkpoints  # torch: only to resume
 
-        state, model = trainer.checkpoint_state(args), trainer.checkpoint_model(args.output_dir)
+        state, model = checkpoints.checkpoint_state(args), checkpoints.checkpoint_model(args.output_dir)
     else:
         tracking.refuse_to_overwrite(args.output_dir, resumable=True)  # before the stream is emptied or anything starts
         state, model = {"version": 0, "stream_position": 0}, args.model

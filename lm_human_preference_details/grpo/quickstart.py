@@ -168,7 +168,7 @@ def main() -> None:
 
     launch.launch(args)
 
-    from lm_human_preference_details.grpo.trainer import checkpoint_model
+    from lm_human_preference_details.grpo.checkpoints import checkpoint_model
 
     after = answers(checkpoint_model(args.output_dir), args, problems, seed=args.seed)
     scores_after = success(args, problems, after)

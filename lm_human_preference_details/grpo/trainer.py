@@ -19,7 +19,7 @@ then pushes the new weights into the inference servers.
         every `save_interval` steps: checkpoint (model folder, optimizer, version, stream position)
 
 `train` is that loop; `GroupReader`, `optimizer_step` (`accumulate_gradients`), `ServerUpdates`, `step_metrics` /
-`log_step` and `save_checkpoint` are its lines, `load_learner` what it starts from.
+`log_step` and `checkpoints.save_checkpoint` are its lines, `load_learner` what it starts from.
 
 `--trainer-processes N` (N > 1): N processes run that loop, with the policy, its gradients and optimizer state and
 the reference sharded over them by FSDP2 (`sharding`). Each reads every group of a step from the stream and runs
@@ -35,10 +35,8 @@ Run alone against servers and an actor already running:
 """
 
 import contextlib
-import json
 import logging
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,7 +45,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from lm_human_preference_details import checkpoint, cli, sharding
+from lm_human_preference_details import cli, sharding
+from lm_human_preference_details.grpo import checkpoints
 from lm_human_preference_details.grpo.client import check_serving
 from lm_human_preference_details.grpo.config import PRESETS, GRPOArgs, get_preset
 from lm_human_preference_details.grpo.lifetime import exit_now
@@ -393,7 +392,9 @@ def train(args: GRPOArgs, wait_for_servers: Callable[[], list[str]]) -> None:
             metrics = step_metrics(samples, rewards, version, grad_norm, times, servers.last_broadcast_s)
             log_step(tracker, args, version, samples, {**metrics, **stats})
         if args.due(args.save_interval, version):
-            save_checkpoint(args, model, learner.tokenizer, optimizer, version, stream.position, accelerator)
+            checkpoints.save_checkpoint(
+                args, model, learner.tokenizer, optimizer, version, stream.position, accelerator
+            )
     servers.wait()
     stream.close()
     tracker.finish()
@@ -471,18 +472,14 @@ def load_learner(args: GRPOArgs, accelerator=None) -> Learner:
         reference = (
             reference.to(device) if accelerator is None else sharding.prepare_frozen(accelerator, reference, True)
         )
-    state = checkpoint_state(args) if args.resume else {"version": 0, "stream_position": 0}
-    model = load_causal_lm(checkpoint_model(args.output_dir) if args.resume else args.model).to(device)
+    state = checkpoints.checkpoint_state(args) if args.resume else {"version": 0, "stream_position": 0}
+    model = load_causal_lm(checkpoints.checkpoint_model(args.output_dir) if args.resume else args.model).to(device)
     optimizer = make_optimizer(args.optimizer, model.parameters(), lr=args.lr, eps=args.adam_eps)
     if accelerator is not None:
         # micro_batch_size is DeepSpeed's setting (not an engine of this trainer): a process's share of a step
         model, optimizer = sharding.prepare(accelerator, model, optimizer, args.batch_size // accelerator.num_processes)
     if args.resume:
-        # onto the CPU first (a checkpoint saved on a GPU resumes without one); loading moves each state to its
-        # parameter's device
-        folder = checkpoint.folder(args.output_dir)
-        path = os.path.join(folder, "optimizer.pt")
-        saved = checkpoint.load_or_explain(path, checkpoint.load_onto_cpu, checkpoint.damaged(folder))
+        saved = checkpoints.checkpoint_optimizer_state(args.output_dir)
         sharding.load_optimizer_state_dict(accelerator, model, optimizer, saved)
     return Learner(model, reference, tokenizer, optimizer, state["version"], state["stream_position"])
 
@@ -648,70 +645,6 @@ def log_step(tracker: Tracker, args: GRPOArgs, version: int, samples: list[dict]
         metrics["lag/mean"],
         metrics["samples_per_s"],
     )
-
-
-# ----------------------------------------------------------------------------- checkpoint
-MAY_CHANGE_ON_RESUME = {
-    "resume",
-    "save_interval",
-    "sample_interval",
-    "output_dir",
-    "wandb_mode",
-    "wandb_project",
-    "run_name",
-    "steps",
-    "servers",
-    "num_servers",
-    "engine",  # which servers sample is not what is trained: both serve the checkpoint's weights
-    "threads",
-    "request_timeout_s",
-    "max_in_flight",
-    "server_batch_size",
-    "trainer_host",
-    "weight_backend",
-    "update_bucket_mb",
-}
-"""what a resumed run may set otherwise (how long it runs, where and how its processes run); the rest must be the
-checkpoint's: the stream position counts groups of its batch size, the optimizer state is of its settings"""
-
-
-def save_checkpoint(
-    args: GRPOArgs, model, tokenizer, optimizer, version: int, stream_position: int, accelerator=None
-) -> None:
-    """Model and tokenizer (a folder the servers can load), optimizer, version, stream position and the run's
-    settings; written beside and swapped into place (`checkpoint.staged`), so a crash mid-save keeps the previous
-    checkpoint. Under several trainer processes every one calls it (the whole tensors are gathered) and the main one
-    writes."""
-    model_state = sharding.full_state_dict(accelerator, model) if accelerator is not None else None
-    optimizer_states = sharding.optimizer_state_dict(accelerator, model, optimizer)
-    if accelerator is not None and not accelerator.is_main_process:
-        return
-    with checkpoint.staged(checkpoint.folder(args.output_dir)) as staging:
-        model.save_pretrained(os.path.join(staging, "model"), state_dict=model_state)
-        tokenizer.save_pretrained(os.path.join(staging, "model"))
-        torch.save(optimizer_states, os.path.join(staging, "optimizer.pt"))
-        with open(os.path.join(staging, "state.json"), "w") as f:
-            state = {"version": version, "stream_position": stream_position, "settings": checkpoint.settings(args)}
-            json.dump(state, f)
-
-
-def checkpoint_state(args: GRPOArgs) -> dict:
-    """The checkpoint's version and stream position; a UserError if there is none, or if it was saved with other
-    settings."""
-    folder = checkpoint.folder(args.output_dir)
-    path = checkpoint.state_file(folder, "state.json")
-    if path is None:
-        raise cli.UserError(f"--resume: no checkpoint in {args.output_dir} (none saved yet? see --save-interval)")
-    state = checkpoint.load_or_explain(path, checkpoint.read_json, checkpoint.damaged(folder))
-    # the servers load the model folder: a damaged one is refused here, before any of them starts
-    checkpoint.check_weights(checkpoint_model(args.output_dir), checkpoint.damaged(folder))
-    checkpoint.check_same_settings(state.get("settings"), checkpoint.settings(args), MAY_CHANGE_ON_RESUME, folder)
-    return state
-
-
-def checkpoint_model(output_dir: str) -> str:
-    """The checkpoint's model folder: what a resumed run's servers and trainer load."""
-    return os.path.join(checkpoint.folder(output_dir), "model")
 
 
 def train_then_exit(args: GRPOArgs, wait_for_servers: Callable[[], list[str]]) -> None:

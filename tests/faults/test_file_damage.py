@@ -19,8 +19,9 @@ from safetensors.torch import load_file
 
 from lm_human_preference_details import cli, quickstart, sharding, train_policy, train_reward
 from lm_human_preference_details.cli import UserError
+from lm_human_preference_details.grpo.checkpoints import save_checkpoint
 from lm_human_preference_details.grpo.config import get_preset
-from lm_human_preference_details.grpo.trainer import load_learner, save_checkpoint
+from lm_human_preference_details.grpo.trainer import load_learner
 from lm_human_preference_details.tracking import read_metrics
 from tests.conftest import accelerate_two_processes
 from tests.grpo.test_launch import LAUNCH

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from lm_human_preference_details import cli
-from lm_human_preference_details.grpo import trainer
+from lm_human_preference_details.grpo import checkpoints, trainer
 from lm_human_preference_details.grpo.config import PRESETS, GRPOArgs, get_preset
 from lm_human_preference_details.models import load_causal_lm
 
@@ -45,7 +45,7 @@ def main() -> None:
             save_file(weights, os.path.join(args.output_dir, f"weights-{version + 1}.safetensors"))
             with open(os.path.join(args.output_dir, f"stats-{version + 1}.json"), "w") as f:
                 json.dump({**stats, "grad_norm": grad_norm}, f)
-    trainer.save_checkpoint(
+    checkpoints.save_checkpoint(
         args, learner.model, learner.tokenizer, learner.optimizer, args.steps, 0, accelerator=accelerator
     )
     rank = accelerator.process_index if accelerator else 0

@@ -5,12 +5,15 @@ import copy
 import dataclasses
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from lm_human_preference_details.cli import UserError
 from lm_human_preference_details.grpo import trainer
+from lm_human_preference_details.grpo.checkpoints import checkpoint_model, save_checkpoint
 from lm_human_preference_details.grpo.config import get_preset
 from lm_human_preference_details.grpo.engine import Engine, GenerationRequest
 from lm_human_preference_details.grpo.server import load_for_inference
@@ -22,12 +25,10 @@ from lm_human_preference_details.grpo.trainer import (
     accumulate_gradients,
     batch_tensors,
     check_group,
-    checkpoint_model,
     flatten_groups,
     load_learner,
     log_step,
     pack,
-    save_checkpoint,
     step_metrics,
     token_logprobs,
 )
@@ -357,3 +358,12 @@ def test_a_checkpoint_resumes_the_weights_the_optimizer_and_the_stream_position_
             assert torch.equal(torch.as_tensor(value), torch.as_tensor(resumed_state["state"][key][name])), name
     with pytest.raises(UserError, match=r"was saved with other settings \(lr: 0.0005 then, 0.001 now\)"):
         load_learner(dataclasses.replace(args, resume=True, lr=1e-3))
+
+
+def test_the_launcher_reads_a_checkpoint_without_importing_the_trainer():
+    code = (
+        "import sys; from lm_human_preference_details.grpo import checkpoints, launch; "
+        "assert 'lm_human_preference_details.grpo.trainer' not in sys.modules"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr

@@ -65,7 +65,7 @@ class Actor:
         self.args = args
         self.servers = [ServerState(url.rstrip("/")) for url in server_urls]
         self.problems = problems
-        self.problems_ahead = args.problems_ahead() if args.mode == "pipeline" else 0
+        self.schedule = args.schedule()
         self._changed: asyncio.Condition | None = None
         self._failure: BaseException | None = None
         self._verifier: concurrent.futures.Executor | None = None
@@ -75,21 +75,12 @@ class Actor:
         return max(s.version for s in self.servers)
 
     def usable(self, server: ServerState) -> bool:
-        """Answers, and its weights are not left behind: `pipeline`, no more than `steps_ahead` steps behind the
-        newest (further behind: a server the trainer stopped updating); `sync`, the newest (a round's samples
-        all come from the weights the round began with, even while another server is still receiving)."""
-        behind = self.args.steps_ahead if self.args.mode == "pipeline" else 0
-        return server.live() and server.version >= self.weight_version() - behind
+        """Answers, and its weights are not left behind (`Schedule.server_lag_allowed`)."""
+        return server.live() and server.version >= self.weight_version() - self.schedule.server_lag_allowed()
 
     def may_start(self, group_index: int) -> bool:
-        """Whether group `group_index` may start. `pipeline`: it belongs to one of the `steps_ahead` optimizer
-        steps after the servers' weights (a fractional lookahead: or to the first part of the step after
-        those). `sync`: it belongs to the round that the servers' weights begin (rounds end at multiples of
-        `sync_steps`; a run resumed mid-round finishes that round first)."""
-        if self.args.mode == "sync":
-            round_end = (self.weight_version() // self.args.sync_steps + 1) * self.args.sync_steps
-            return group_index < round_end * self.args.groups_per_step()
-        return group_index < self.weight_version() * self.args.groups_per_step() + self.problems_ahead
+        """Whether group `group_index` may start under the servers' newest weights (`Schedule.may_start`)."""
+        return self.schedule.may_start(group_index, self.weight_version())
 
     async def run(self, first_group: int = 0) -> None:
         """Generate groups first_group .. steps * groups_per_step - 1 and write them to the stream."""

@@ -10,9 +10,9 @@ import tyro
 
 from lm_human_preference_details.cli import UserError
 from lm_human_preference_details.grpo.protocol import MAX_CHOICES, MIN_TEMPERATURE, ServerDtype, WeightBackend
+from lm_human_preference_details.grpo.schedule import Mode, Schedule
 from lm_human_preference_details.tracking import RunArgs
 
-Mode = Literal["pipeline", "sync"]
 Engine = Literal["auto", "home", "vllm"]
 # the loss's options: grpo/loss.py's names, which this module cannot import (the launcher imports no torch); a test
 # keeps the two equal
@@ -333,43 +333,16 @@ class GRPOArgs(RunArgs):
         """Problems in one completion request: `problems_per_request`, or when 0 an optimizer step's."""
         return self.problems_per_request or self.groups_per_step()
 
-    def groups_to_read(self, version: int) -> int:
-        """Groups the trainer reads from the stream before the step after `version`, when it has none left:
-        `pipeline`, one step's; `sync`, the rest of the round (rounds end at multiples of `sync_steps`, where the
-        weights go out: the conventional schedule trains only once the whole round is generated, and a run
-        resumed mid-round reads the rest of it); never beyond `steps`."""
-        steps = 1 if self.mode == "pipeline" else self.sync_steps - version % self.sync_steps
-        return min(steps, self.steps - version) * self.groups_per_step()
-
-    def push_interval(self) -> int:
-        """Optimizer steps between two weight pushes to the servers: every step in `pipeline`, every round in `sync`."""
-        return 1 if self.mode == "pipeline" else self.sync_steps
-
-    def due(self, interval: int, version: int) -> bool:
-        """Whether what comes every `interval` steps (0: never) comes after step `version`: at its multiples,
-        and after the last step."""
-        return interval > 0 and (version % interval == 0 or version == self.steps)
-
-    def problems_ahead(self) -> int:
-        """How many problems beyond the servers' weights the actor may start in `pipeline` mode: `steps_ahead`
-        steps' (`sync` mode goes by rounds instead: `Actor.may_start`). A UserError when a fractional
-        `steps_ahead` is no whole number of problems, or is one that the requests (`request_problems()`
-        problems each) cannot split."""
-        problems = self.steps_ahead * self.groups_per_step()
-        if not math.isfinite(problems) or abs(problems - round(problems)) > 1e-6:
-            raise UserError(
-                f"--steps-ahead {self.steps_ahead!r} is {problems:.6g} problems ahead, not a whole number: pass a "
-                f"multiple of 1/{self.groups_per_step()} (the problems of a step, batch_size / group_size)"
-            )
-        problems = round(problems)
-        if problems % self.request_problems():
-            acts_as = problems // self.request_problems() * self.request_problems() / self.groups_per_step()
-            raise UserError(
-                f"--steps-ahead {self.steps_ahead!r} starts {problems} problems ahead, which requests of "
-                f"{self.request_problems()} problems cannot split (it would act as {acts_as:g}): pass a "
-                f"--problems-per-request that divides both {self.groups_per_step()} and {problems}"
-            )
-        return problems
+    def schedule(self) -> Schedule:
+        """When the trainer reads, pushes and saves, and how far ahead the actor runs."""
+        return Schedule(
+            mode=self.mode,
+            steps=self.steps,
+            sync_steps=self.sync_steps,
+            steps_ahead=self.steps_ahead,
+            groups_per_step=self.groups_per_step(),
+            request_problems=self.request_problems(),
+        )
 
     def torch_threads(self, role: Literal["server", "trainer"]) -> int:
         """`threads`, or when 0 the share of the cores that this mode gives each server or the trainer."""
@@ -453,7 +426,7 @@ class GRPOArgs(RunArgs):
                 f"{self.groups_per_step()} problems of a step into requests of at most {MAX_CHOICES // self.group_size}"
             )
         if self.mode == "pipeline":
-            self.problems_ahead()  # a fraction of a step that the problems or the requests cannot split: refused
+            self.schedule().problems_ahead()  # a fraction of a step the problems or requests cannot split: refused
         if self.token_budget < 1:
             raise UserError(f"--token-budget must be >= 1, got {self.token_budget}")
 

@@ -376,6 +376,7 @@ def train(args: GRPOArgs, wait_for_servers: Callable[[], list[str]]) -> None:
     # with no server left to update, no samples would ever come: checked while waiting for them
     stream = GroupReader(args, start=learner.stream_position, while_waiting=servers.check)
     timer = StepTimer()
+    schedule = args.schedule()
     while version < args.steps:
         timer.waiting_for_data()
         groups = stream.read_step(version)
@@ -391,7 +392,7 @@ def train(args: GRPOArgs, wait_for_servers: Callable[[], list[str]]) -> None:
         if main:
             metrics = step_metrics(samples, rewards, version, grad_norm, times, servers.last_broadcast_s)
             log_step(tracker, args, version, samples, {**metrics, **stats})
-        if args.due(args.save_interval, version):
+        if schedule.due(args.save_interval, version):
             checkpoints.save_checkpoint(
                 args, model, learner.tokenizer, optimizer, version, stream.position, accelerator
             )
@@ -502,18 +503,19 @@ class GroupReader:
         which waits up to a second (what it raises ends the wait: the trainer checks that a server is left to
         update, without which no samples would ever come)."""
         self.args, self.while_waiting = args, while_waiting
+        self.schedule = args.schedule()
         self.reader = open_reader(args.stream_url(), start=start)
         self.buffered: list[dict] = []
 
     def read_step(self, version: int) -> list[dict]:
         """The groups of the step after `version`, waiting for them (and in `sync` mode for the rest of the round:
-        `GRPOArgs.groups_to_read`)."""
+        `Schedule.groups_to_read`)."""
         if not self.buffered:
-            wanted = self.args.groups_to_read(version)
+            wanted = self.schedule.groups_to_read(version)
             while len(self.buffered) < wanted:
                 self.while_waiting()
                 self.buffered += self.reader.read(wanted - len(self.buffered), timeout_s=1.0)
-        per_step = self.args.groups_per_step()
+        per_step = self.schedule.groups_per_step
         groups, self.buffered = self.buffered[:per_step], self.buffered[per_step:]
         for group in groups:
             check_group(group, self.args)
@@ -530,11 +532,12 @@ class GroupReader:
 
 class ServerUpdates:
     """The weights' way to the servers: a `WeightSender` with a process group to each, the weights cast to the
-    servers' dtype, pushed on the schedule (`GRPOArgs.push_interval`) and in buckets of `update_bucket_mb`. Under
+    servers' dtype, pushed on the schedule (`Schedule.push_due`) and in buckets of `update_bucket_mb`. Under
     several trainer processes each has one, for the gather before a push, and only the main one `sends`."""
 
     def __init__(self, args: GRPOArgs, server_urls: list[str], sends: bool = True):
         self.args = args
+        self.schedule = args.schedule()
         self.sender = WeightSender(server_urls, backend=args.weight_backend, host=args.trainer_host) if sends else None
         # weights go out in the servers' dtype (bf16 on GPUs): they check it before receiving
         self.dtype = served_dtype(server_urls[0]) if sends else None
@@ -542,7 +545,7 @@ class ServerUpdates:
     def push_if_due(self, model: torch.nn.Module, version: int, accelerator=None) -> float:
         """Hand weights `version` to the sender if the schedule says so; the seconds that took (0 if not due), the
         gather of a sharded model's included."""
-        if not self.args.due(self.args.push_interval(), version):
+        if not self.schedule.push_due(version):
             return 0.0
         start = time.perf_counter()
         parameters = whole_parameters(model, accelerator)
@@ -630,7 +633,7 @@ def log_step(tracker: Tracker, args: GRPOArgs, version: int, samples: list[dict]
     """The step's metrics (metrics.jsonl, wandb, a log line), and every `sample_interval` steps a table of the
     first group's attempts."""
     tracker.log(version, metrics)
-    if args.due(args.sample_interval, version):
+    if args.schedule().due(args.sample_interval, version):
         tracker.log_samples(
             version,
             [

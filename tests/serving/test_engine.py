@@ -258,7 +258,8 @@ def test_grpo_args_check_names_the_field():
     GRPOArgs(batch_size=64, group_size=8, steps_ahead=2.5, problems_per_request=4).check()
     GRPOArgs(mode="sync", batch_size=64, group_size=8, steps_ahead=2.5, problems_per_request=0).check()  # sync: unused
     assert (
-        GRPOArgs(batch_size=24, group_size=8, steps_ahead=7 / 3, problems_per_request=1).problems_ahead() == 7
+        GRPOArgs(batch_size=24, group_size=8, steps_ahead=7 / 3, problems_per_request=1).schedule().problems_ahead()
+        == 7
     )  # 7.000000000000001
     with pytest.raises(UserError, match="--steps-ahead nan is nan problems ahead"):
         GRPOArgs(steps_ahead=float("nan")).check()

@@ -1,5 +1,5 @@
 """The actor: keeps the inference servers busy, `group_size` attempts per problem, scores them,
-writes one record per group to the stream.
+writes one record per group to the stream (`records.Group`).
 
 How far it may run ahead of the trainer is the only thing the two modes change. In `pipeline` mode
 it starts group k only while k < (servers' weight version + `steps_ahead`) * groups per step (the
@@ -33,6 +33,7 @@ from lm_human_preference_details import cli
 from lm_human_preference_details.grpo.client import check_serving
 from lm_human_preference_details.grpo.config import PRESETS, GRPOArgs, get_preset
 from lm_human_preference_details.grpo.lifetime import exit_with_parent
+from lm_human_preference_details.grpo.records import Attempt, Group
 from lm_human_preference_details.grpo.rewards import Problem, integer_reward, load_task_problems, math_rewards
 from lm_human_preference_details.grpo.streams import open_writer
 
@@ -144,26 +145,27 @@ class Actor:
                 rewards = await asyncio.get_running_loop().run_in_executor(
                     self._verifier, math_rewards, completions, problem.answer
                 )
+            attempts = [
+                Attempt(
+                    completion_ids=choice["token_ids"],
+                    logprobs=choice["logprobs"]["token_logprobs"]
+                    if "token_logprobs" in choice["logprobs"]
+                    else [c["logprob"] for c in choice["logprobs"]["content"]],
+                    versions=choice["model_versions"],
+                    finish_reason=choice["finish_reason"],
+                    text=text,
+                    reward=reward,
+                )
+                for choice, text, reward in zip(choices, texts, rewards)
+            ]
             writer.write(
-                {
-                    "problem_id": problem.id,
-                    "answer": problem.answer,
-                    "prompt_ids": prompt_ids,
-                    "temperature": self.args.temperature,  # of the behaviour logprobs: the trainer's must match
-                    "attempts": [
-                        {
-                            "completion_ids": choice["token_ids"],
-                            "logprobs": choice["logprobs"]["token_logprobs"]
-                            if "token_logprobs" in choice["logprobs"]
-                            else [c["logprob"] for c in choice["logprobs"]["content"]],
-                            "versions": choice["model_versions"],
-                            "finish_reason": choice["finish_reason"],
-                            "text": text,
-                            "reward": reward,
-                        }
-                        for choice, text, reward in zip(choices, texts, rewards)
-                    ],
-                }
+                Group(
+                    problem_id=problem.id,
+                    answer=problem.answer,
+                    prompt_ids=prompt_ids,
+                    temperature=self.args.temperature,  # of the behaviour logprobs: the trainer's must match
+                    attempts=attempts,
+                )
             )
 
     async def _complete(self, session, problems: list[Problem]) -> list[tuple[list[int], list[dict]]]:

@@ -1,26 +1,27 @@
-"""The sample stream from the GRPO actor (one writer) to the trainer (readers): JSON records, in write order.
+"""The sample stream from the GRPO actor (one writer) to the trainer (readers): typed records, in write order.
 
 One interface, two backends, picked by URL (`parse_stream_url`):
 - a plain path or `file:///abs/path.jsonl`: a JSON-lines file, one record a line; no server needed (default);
 - `redis://host:port/db?stream=NAME&maxlen=N`: a Redis stream, one entry a record, its single field `json`
   holding the record's JSON text; for an actor and a trainer on different hosts.
 
-JSON only on the wire, never pickle: reading a record runs no code chosen by whoever can write the stream,
-and a stream can be inspected with `jq` or `redis-cli`. Tuples come back as lists, float64 values exactly
-(`json` writes the shortest repr that reads back to the same float).
+A record is written as the JSON text of its `to_json()` and read back by the `decode` the reader is opened with
+(`records.Group.from_json`); a line that `decode` refuses stops the reader with a UserError naming the line (or
+Redis entry). JSON only on the wire, never pickle: reading a record runs no code chosen by whoever can write the
+stream, and a stream can be inspected with `jq` or `redis-cli`. Float64 values come back exactly (`json` writes
+the shortest repr that reads back to the same float).
 
 A reader's `position` is absolute (records skipped by `start` included), so a trainer that saves it in its
-checkpoint resumes with `open_reader(url, start=position)`.
+checkpoint resumes with `open_reader(url, decode, start=position)`.
 """
 
 import contextlib
-import json
 import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from lm_human_preference_details.cli import UserError
@@ -32,20 +33,30 @@ URL_FORMS = "a path, file:///abs/path.jsonl, or redis://host:port/db?stream=NAME
 POLL_S = 0.002  # how long a file reader sleeps between looks at the file: 2 ms of latency, no busy loop
 REDIS_SKIP_BATCH = 1000  # entries fetched per XREAD while skipping `start` entries, so no reply is huge
 
+R = TypeVar("R")
+Decode = Callable[[str | bytes], R]
+"""a record from its JSON text; a ValueError naming the field for text that is not one"""
+
+
+class Record(Protocol):
+    """What a stream carries: an object that writes itself as one line of JSON."""
+
+    def to_json(self) -> str: ...
+
 
 class StreamWriter(Protocol):
     """The actor's end: appends records."""
 
-    def write(self, record: dict) -> None:
+    def write(self, record: Record) -> None:
         """Append one record; readers can see it when this returns."""
 
     def close(self) -> None: ...
 
 
-class StreamReader(Protocol):
+class StreamReader(Protocol[R]):
     """The trainer's end: reads records in write order, from `start` on."""
 
-    def read(self, max_records: int, timeout_s: float) -> list[dict]:
+    def read(self, max_records: int, timeout_s: float) -> list[R]:
         """1..max_records records, waiting up to timeout_s for the first; [] if none came in time."""
 
     @property
@@ -116,15 +127,16 @@ def open_writer(url: str) -> StreamWriter:
             return RedisStreamWriter(where)
 
 
-def open_reader(url: str, start: int = 0) -> StreamReader:
-    """A reading end of the stream at `url` that skips its first `start` records (resume)."""
+def open_reader(url: str, decode: Decode[R], start: int = 0) -> StreamReader[R]:
+    """A reading end of the stream at `url` that skips its first `start` records (resume) and reads the others with
+    `decode`."""
     if start < 0:
         raise ValueError(f"start must be >= 0, got {start}")
     match parse_stream_url(url):
         case FileStreamUrl(path):
-            return FileStreamReader(path, start)
+            return FileStreamReader(path, decode, start)
         case RedisStreamUrl() as where:
-            return RedisStreamReader(where, start)
+            return RedisStreamReader(where, decode, start)
 
 
 def truncate(url: str, keep: int) -> int:
@@ -154,8 +166,12 @@ def _truncate_file(path: str, keep: int) -> int:
     return max(0, len(lines) - keep)
 
 
-def _encode(record: dict) -> str:
-    return json.dumps(record, separators=(",", ":"))  # compact: token-id lists are most of the bytes
+def _decoded(decode: Decode[R], text: str | bytes, where: str) -> R:
+    """`decode(text)`; a line it refuses is a UserError naming `where` it is in the stream."""
+    try:
+        return decode(text)
+    except ValueError as error:
+        raise UserError(f"the stream's {where}: {error}") from None
 
 
 def _check_max_records(max_records: int) -> None:
@@ -174,9 +190,9 @@ class FileStreamWriter:
         _drop_partial_line(path)  # a writer killed mid-line: the next record must not be glued to it
         self._file = open(path, "a", encoding="utf-8")
 
-    def write(self, record: dict) -> None:
+    def write(self, record: Record) -> None:
         """Append one line and flush it to the OS."""
-        self._file.write(_encode(record) + "\n")  # JSON escapes newlines in strings: one record, one line
+        self._file.write(record.to_json() + "\n")  # JSON escapes newlines in strings: one record, one line
         # flush, no fsync: flush hands the bytes to the kernel, whose page cache every process on this host
         # reads at once; fsync would only add surviving a host crash, which ends the run's processes too,
         # at a disk round trip per record. (Across hosts, use a redis:// stream, not a shared file system.)
@@ -195,11 +211,12 @@ def _drop_partial_line(path: str) -> None:
             f.truncate(data.rfind(b"\n") + 1)
 
 
-class FileStreamReader:
+class FileStreamReader(Generic[R]):
     """Tails a JSON-lines file, polling every POLL_S; waits for a file that does not exist yet."""
 
-    def __init__(self, path: str, start: int = 0):
+    def __init__(self, path: str, decode: Decode[R], start: int = 0):
         self._path = path
+        self._decode = decode
         self._file = None  # opened at the first read that finds the file
         self._partial = b""  # the start of a line whose '\n' the writer has not written yet
         self._to_skip = start
@@ -209,7 +226,7 @@ class FileStreamReader:
     def position(self) -> int:
         return self._position
 
-    def read(self, max_records: int, timeout_s: float) -> list[dict]:
+    def read(self, max_records: int, timeout_s: float) -> list[R]:
         """Complete lines only: a last line without its '\n' waits for the writer to finish it."""
         _check_max_records(max_records)
         deadline = time.monotonic() + timeout_s
@@ -220,7 +237,7 @@ class FileStreamReader:
                 return records
             time.sleep(POLL_S)
 
-    def _read_available(self, max_records: int) -> list[dict]:
+    def _read_available(self, max_records: int) -> list[R]:
         if self._file is None:
             try:
                 self._file = open(self._path, "rb")
@@ -236,7 +253,8 @@ class FileStreamReader:
             if self._to_skip:
                 self._to_skip -= 1
             else:
-                records.append(json.loads(line))
+                line_number = self._position + len(records) + 1  # lines and records are one to one
+                records.append(_decoded(self._decode, line[:-1], f"{self._path} line {line_number}"))
         return records
 
     def close(self) -> None:
@@ -286,24 +304,25 @@ class RedisStreamWriter:
         self._where = where
         self._client = _connect(where)
 
-    def write(self, record: dict) -> None:
+    def write(self, record: Record) -> None:
         """XADD, acknowledged by the server: readers see the entry when this returns."""
         # MAXLEN ~ lets Redis trim whole internal nodes, far cheaper than an exact cap; a reader further
         # behind than maxlen loses the oldest records (and `start` counts from the oldest kept).
         with _reaching(self._where):
             self._client.xadd(
-                self._where.stream, {"json": _encode(record)}, maxlen=self._where.maxlen, approximate=True
+                self._where.stream, {"json": record.to_json()}, maxlen=self._where.maxlen, approximate=True
             )
 
     def close(self) -> None:
         self._client.close()
 
 
-class RedisStreamReader:
+class RedisStreamReader(Generic[R]):
     """XREAD BLOCK from the last entry id it returned ('0-0' at first: the stream's beginning)."""
 
-    def __init__(self, where: RedisStreamUrl, start: int = 0):
+    def __init__(self, where: RedisStreamUrl, decode: Decode[R], start: int = 0):
         self._where = where
+        self._decode = decode
         self._client = _connect(where)
         self._last_id = "0-0"
         self._to_skip = start  # skipped at reads, as the entries arrive: the stream may be shorter yet
@@ -313,7 +332,7 @@ class RedisStreamReader:
     def position(self) -> int:
         return self._position
 
-    def read(self, max_records: int, timeout_s: float) -> list[dict]:
+    def read(self, max_records: int, timeout_s: float) -> list[R]:
         """Entries after the last one read, in order."""
         _check_max_records(max_records)
         deadline = time.monotonic() + timeout_s
@@ -322,7 +341,10 @@ class RedisStreamReader:
             if not skipped:
                 return []
             self._to_skip -= len(skipped)
-        records = [json.loads(fields["json"]) for _, fields in self._xread(max_records, deadline)]
+        records = [
+            _decoded(self._decode, fields.get("json", ""), f"{self._where.url} entry {entry_id}")
+            for entry_id, fields in self._xread(max_records, deadline)
+        ]
         self._position += len(records)
         return records
 

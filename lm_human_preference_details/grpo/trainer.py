@@ -58,6 +58,7 @@ from lm_human_preference_details.grpo.loss import (
     reinforce_weights,
     token_weights,
 )
+from lm_human_preference_details.grpo.records import Attempt, Group
 from lm_human_preference_details.grpo.streams import open_reader
 from lm_human_preference_details.grpo.weights import WeightSender, served_dtype
 from lm_human_preference_details.models import load_causal_lm
@@ -70,7 +71,7 @@ Part = tuple[int, int, int]
 """attempts first..end-1 of group i: (i, first, end)"""
 
 
-def pack(groups: list[dict], token_budget: int) -> list[list[Part]]:
+def pack(groups: list[Group], token_budget: int) -> list[list[Part]]:
     """The groups' attempts packed into micro-batches whose padded tokens fit the budget: each part's
     prompt once (see `token_logprobs`), padded to the longest prompt, plus every completion, padded to
     the longest completion. A group too big for the budget is split into parts of as many attempts as
@@ -78,14 +79,14 @@ def pack(groups: list[dict], token_budget: int) -> list[list[Part]]:
     share a micro-batch and little is padding."""
 
     def cost(batch: list[Part]) -> int:
-        prompt = max(len(groups[i]["prompt_ids"]) for i, _, _ in batch)
-        completion = max(len(a["completion_ids"]) for i, first, end in batch for a in groups[i]["attempts"][first:end])
+        prompt = max(len(groups[i].prompt_ids) for i, _, _ in batch)
+        completion = max(len(a.completion_ids) for i, first, end in batch for a in groups[i].attempts[first:end])
         return len(batch) * prompt + sum(end - first for _, first, end in batch) * completion
 
     parts = []
     for i, group in enumerate(groups):
-        prompt, attempts = len(group["prompt_ids"]), len(group["attempts"])
-        completion = max(len(a["completion_ids"]) for a in group["attempts"])
+        prompt, attempts = len(group.prompt_ids), len(group.attempts)
+        completion = max(len(a.completion_ids) for a in group.attempts)
         per_part = max(1, min(attempts, (token_budget - prompt) // completion))
         parts += [(i, first, min(first + per_part, attempts)) for first in range(0, attempts, per_part)]
     batches: list[list[Part]] = []
@@ -97,21 +98,21 @@ def pack(groups: list[dict], token_budget: int) -> list[list[Part]]:
     return batches
 
 
-def batch_tensors(groups: list[dict], parts: list[Part], device) -> dict[str, torch.Tensor]:
+def batch_tensors(groups: list[Group], parts: list[Part], device) -> dict[str, torch.Tensor]:
     """Each part's prompt once, right-padded (`prompt_ids`, `prompt_mask`, `prompt_lengths`), and its
     attempts, one row each (`rows`: the index of the row's sample in `flatten_groups`, and
     `prompt_row`: its prompt's row): completion ids right-padded, `mask` on the completion tokens, and
     the behaviour logprobs."""
     first_sample = [0]
     for g in groups:
-        first_sample.append(first_sample[-1] + len(g["attempts"]))
-    prompts = [groups[i]["prompt_ids"] for i, _, _ in parts]
+        first_sample.append(first_sample[-1] + len(g.attempts))
+    prompts = [groups[i].prompt_ids for i, _, _ in parts]
     attempts = [
-        (p, groups[i]["attempts"][j], first_sample[i] + j)
+        (p, groups[i].attempts[j], first_sample[i] + j)
         for p, (i, first, end) in enumerate(parts)
         for j in range(first, end)
     ]
-    p_len, c_len = max(map(len, prompts)), max(len(a["completion_ids"]) for _, a, _ in attempts)
+    p_len, c_len = max(map(len, prompts)), max(len(a.completion_ids) for _, a, _ in attempts)
     # plain lists, one tensor per field: a tensor per row costs more than the model on tiny
     tensors = dict(
         prompt_ids=torch.tensor([p + [0] * (p_len - len(p)) for p in prompts]),
@@ -119,13 +120,11 @@ def batch_tensors(groups: list[dict], parts: list[Part], device) -> dict[str, to
         prompt_lengths=torch.tensor([len(p) for p in prompts]),
         rows=torch.tensor([sample for _, _, sample in attempts]),
         prompt_row=torch.tensor([p for p, _, _ in attempts]),
-        completion_ids=torch.tensor(
-            [a["completion_ids"] + [0] * (c_len - len(a["completion_ids"])) for _, a, _ in attempts]
-        ),
+        completion_ids=torch.tensor([a.completion_ids + [0] * (c_len - len(a.completion_ids)) for _, a, _ in attempts]),
         mask=torch.tensor(
-            [[1.0] * len(a["completion_ids"]) + [0.0] * (c_len - len(a["completion_ids"])) for _, a, _ in attempts]
+            [[1.0] * len(a.completion_ids) + [0.0] * (c_len - len(a.completion_ids)) for _, a, _ in attempts]
         ),
-        behaviour=torch.tensor([a["logprobs"] + [0.0] * (c_len - len(a["logprobs"])) for _, a, _ in attempts]),
+        behaviour=torch.tensor([a.logprobs + [0.0] * (c_len - len(a.logprobs)) for _, a, _ in attempts]),
     )
     return {k: v.to(device) for k, v in tensors.items()}
 
@@ -166,32 +165,27 @@ def token_logprobs(
     return taken, entropy
 
 
-def check_group(group: dict, args: GRPOArgs) -> None:
+def check_group(group: Group, args: GRPOArgs) -> None:
     """UserError when a stream record was made with other settings than this trainer's: a group of another
     size would be split or merged by the advantage baseline, and logprobs at another temperature make pi/mu
     wrong for every token (a trainer and an actor started apart, with different flags)."""
-    if len(group["attempts"]) != args.group_size:
+    if len(group.attempts) != args.group_size:
         raise cli.UserError(
-            f"the stream's group for problem {group['problem_id']!r} has {len(group['attempts'])} attempts, "
+            f"the stream's group for problem {group.problem_id!r} has {len(group.attempts)} attempts, "
             f"this trainer's --group-size is {args.group_size}: start the trainer with the actor's settings"
         )
-    if (
-        group.get("temperature", args.temperature) != args.temperature
-    ):  # streams written before it was recorded: trusted
+    # streams written before it was recorded (None): trusted
+    if group.temperature is not None and group.temperature != args.temperature:
         raise cli.UserError(
-            f"the stream's group for problem {group['problem_id']!r} was sampled at temperature "
-            f"{group['temperature']}, this trainer's --temperature is {args.temperature}: start the trainer "
+            f"the stream's group for problem {group.problem_id!r} was sampled at temperature "
+            f"{group.temperature}, this trainer's --temperature is {args.temperature}: start the trainer "
             "with the actor's settings"
         )
 
 
-def flatten_groups(groups: list[dict]) -> list[dict]:
-    """Stream records (one per problem: prompt and `group_size` attempts) -> one dict per sample."""
-    return [
-        {"prompt_ids": g["prompt_ids"], "problem_id": g["problem_id"], **attempt}
-        for g in groups
-        for attempt in g["attempts"]
-    ]
+def flatten_groups(groups: list[Group]) -> list[Attempt]:
+    """Stream records (one per problem: prompt and `group_size` attempts) -> their attempts, one per sample."""
+    return [attempt for g in groups for attempt in g.attempts]
 
 
 def coefficients(args: GRPOArgs, step: int) -> tuple[float, float]:
@@ -205,18 +199,18 @@ def coefficients(args: GRPOArgs, step: int) -> tuple[float, float]:
     )
 
 
-def loss_rows(groups: list[dict], args: GRPOArgs, rewards: torch.Tensor) -> dict[str, torch.Tensor]:
+def loss_rows(groups: list[Group], args: GRPOArgs, rewards: torch.Tensor) -> dict[str, torch.Tensor]:
     """Per sample, in `flatten_groups` order: `policy_weights`, what multiplies its log pi (its advantage, or
     reward); `kept`, 0 where overlong filtering leaves it out (finish_reason `length`); `group_tokens`, its
     group's mean prompt + completion length (PipelineRL's group normalisation)."""
     advantages = group_advantages(rewards, args.group_size, args.baseline, args.divide_by_std, std_over=args.std_over)
     samples = flatten_groups(groups)
-    cut = [args.overlong_filtering and s.get("finish_reason") == "length" for s in samples]
+    cut = [args.overlong_filtering and s.finish_reason == "length" for s in samples]
     # PipelineRL: pipelinerl/finetune/rl/__init__.py#L473, the mean over the group of its sequences' lengths
     group_tokens = [
-        len(g["prompt_ids"]) + sum(len(a["completion_ids"]) for a in g["attempts"]) / len(g["attempts"])
+        len(g.prompt_ids) + sum(len(a.completion_ids) for a in g.attempts) / len(g.attempts)
         for g in groups
-        for _ in g["attempts"]
+        for _ in g.attempts
     ]
     return {
         "policy_weights": policy_weights(advantages, rewards, args.use_advantages, args.relu_policy_weights),
@@ -228,7 +222,7 @@ def loss_rows(groups: list[dict], args: GRPOArgs, rewards: torch.Tensor) -> dict
 def accumulate_gradients(
     model,
     reference,
-    groups: list[dict],
+    groups: list[Group],
     rewards: torch.Tensor,
     args: GRPOArgs,
     vocab_size: int,
@@ -249,7 +243,7 @@ def accumulate_gradients(
     processes, rank = (accelerator.num_processes, accelerator.process_index) if accelerator else (1, 0)
     num_sequences = len(rewards)
     rows = {k: v.to(model.device) for k, v in loss_rows(groups, args, rewards).items()}
-    kept_tokens = sum(len(s["completion_ids"]) for s, k in zip(flatten_groups(groups), rows["kept"].tolist()) if k)
+    kept_tokens = sum(len(s.completion_ids) for s, k in zip(flatten_groups(groups), rows["kept"].tolist()) if k)
     kl_coef, entropy_coef = coefficients(args, step)
     micro_batches = pack(groups, args.token_budget)
     mine = micro_batches[rank::processes]
@@ -382,7 +376,7 @@ def train(args: GRPOArgs, wait_for_servers: Callable[[], list[str]]) -> None:
         groups = stream.read_step(version)
         timer.training()
         samples = flatten_groups(groups)
-        rewards = torch.tensor([s["reward"] for s in samples])
+        rewards = torch.tensor([s.reward for s in samples])
         stats, grad_norm = optimizer_step(learner, groups, rewards, args, version, accelerator)
         version += 1
         push_s = servers.push_if_due(model, version, accelerator)
@@ -391,7 +385,7 @@ def train(args: GRPOArgs, wait_for_servers: Callable[[], list[str]]) -> None:
             stats |= sharding.memory_stats(accelerator, model, optimizer, *filter(None, [learner.reference]))
         if main:
             metrics = step_metrics(samples, rewards, version, grad_norm, times, servers.last_broadcast_s)
-            log_step(tracker, args, version, samples, {**metrics, **stats})
+            log_step(tracker, args, version, groups, {**metrics, **stats})
         if schedule.due(args.save_interval, version):
             checkpoints.save_checkpoint(
                 args, model, learner.tokenizer, optimizer, version, stream.position, accelerator
@@ -402,7 +396,7 @@ def train(args: GRPOArgs, wait_for_servers: Callable[[], list[str]]) -> None:
 
 
 def optimizer_step(
-    learner: "Learner", groups: list[dict], rewards: torch.Tensor, args: GRPOArgs, version: int, accelerator=None
+    learner: "Learner", groups: list[Group], rewards: torch.Tensor, args: GRPOArgs, version: int, accelerator=None
 ) -> tuple[dict[str, float], float]:
     """The step after `version` on its groups (`accumulate_gradients`, the gradient clipped, the optimizer's step);
     returns the step's stats and its gradient norm before clipping."""
@@ -504,10 +498,10 @@ class GroupReader:
         update, without which no samples would ever come)."""
         self.args, self.while_waiting = args, while_waiting
         self.schedule = args.schedule()
-        self.reader = open_reader(args.stream_url(), start=start)
-        self.buffered: list[dict] = []
+        self.reader = open_reader(args.stream_url(), Group.from_json, start=start)
+        self.buffered: list[Group] = []
 
-    def read_step(self, version: int) -> list[dict]:
+    def read_step(self, version: int) -> list[Group]:
         """The groups of the step after `version`, waiting for them (and in `sync` mode for the rest of the round:
         `Schedule.groups_to_read`)."""
         if not self.buffered:
@@ -603,13 +597,13 @@ class StepTimer:
 
 
 def step_metrics(
-    samples: list[dict], rewards: torch.Tensor, version: int, grad_norm: float, times: dict, broadcast_s: float
+    samples: list[Attempt], rewards: torch.Tensor, version: int, grad_norm: float, times: dict, broadcast_s: float
 ) -> dict[str, float]:
     """What the step that made weights `version` logs beside `accumulate_gradients`'s stats: rewards, success,
     lag (the weights the gradient was taken at, `version - 1`, minus the weights that sampled each token),
     throughput over `times["interval"]` (`StepTimer.step_done`), where the time went."""
-    lag = (version - 1) - torch.tensor([v for s in samples for v in s["versions"]])
-    completion_tokens = sum(len(s["completion_ids"]) for s in samples)
+    lag = (version - 1) - torch.tensor([v for s in samples for v in s.versions])
+    completion_tokens = sum(len(s.completion_ids) for s in samples)
     return {
         "reward/mean": rewards.mean().item(),
         "success/rate": (rewards == 1).float().mean().item(),
@@ -629,7 +623,7 @@ def step_metrics(
     }
 
 
-def log_step(tracker: Tracker, args: GRPOArgs, version: int, samples: list[dict], metrics: dict[str, float]) -> None:
+def log_step(tracker: Tracker, args: GRPOArgs, version: int, groups: list[Group], metrics: dict[str, float]) -> None:
     """The step's metrics (metrics.jsonl, wandb, a log line), and every `sample_interval` steps a table of the
     first group's attempts."""
     tracker.log(version, metrics)
@@ -637,8 +631,8 @@ def log_step(tracker: Tracker, args: GRPOArgs, version: int, samples: list[dict]
         tracker.log_samples(
             version,
             [
-                {"problem_id": s["problem_id"], "reward": s["reward"], "completion": s.get("text", "")}
-                for s in samples[: args.group_size]
+                {"problem_id": groups[0].problem_id, "reward": a.reward, "completion": a.text}
+                for a in groups[0].attempts
             ],
         )
     log.info(

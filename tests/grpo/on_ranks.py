@@ -19,13 +19,14 @@ from safetensors.torch import save_file
 from lm_human_preference_details import cli
 from lm_human_preference_details.grpo import checkpoints, trainer
 from lm_human_preference_details.grpo.config import PRESETS, GRPOArgs, get_preset
+from lm_human_preference_details.grpo.records import Group
 from lm_human_preference_details.models import load_causal_lm
 
 
 @cli.main_with_user_errors  # the process group ends before the interpreter does
 def main() -> None:
     with open(sys.argv[1]) as f:
-        steps = json.load(f)  # per step: {"token_budget": ..., "groups": [...]}
+        steps = json.load(f)  # per step: {"token_budget": ..., "groups": [each group's JSON line, ...]}
     args = cli.parse(GRPOArgs, get_preset, "tiny", argv=sys.argv[2:], presets=PRESETS)
     # float64: the sharded and the single-process sums then agree to far below the tolerance, and so do the signs
     # of Adam's first updates, which float32 rounding can flip where a gradient is nearly 0
@@ -36,8 +37,8 @@ def main() -> None:
     os.makedirs(args.output_dir, exist_ok=True)
     for version in range(learner.version, args.steps):
         step = steps[version]
-        groups = step["groups"]
-        rewards = torch.tensor([s["reward"] for s in trainer.flatten_groups(groups)], dtype=torch.float64)
+        groups = [Group.from_json(line) for line in step["groups"]]
+        rewards = torch.tensor([s.reward for s in trainer.flatten_groups(groups)], dtype=torch.float64)
         step_args = dataclasses.replace(args, token_budget=step["token_budget"])
         stats, grad_norm = trainer.optimizer_step(learner, groups, rewards, step_args, version, accelerator)
         weights = dict(trainer.whole_parameters(learner.model, accelerator))  # every process joins the gather

@@ -97,9 +97,9 @@ def scored_groups(tiny_math):  # noqa: F811
     cut by the length limit (finish_reason `length`)."""
     groups = sampled_groups(tiny_math, ["1+2=\\boxed{", "33+44=\\boxed{", "2+2=\\boxed{"], [6, 9, 4], attempts=4)
     for i, group in enumerate(groups):
-        for j, attempt in enumerate(group["attempts"]):
-            attempt["reward"] = float((i + j) % 2)
-            attempt["finish_reason"] = "length" if j == 1 else "stop"
+        for j, attempt in enumerate(group.attempts):
+            attempt.reward = float((i + j) % 2)
+            attempt.finish_reason = "length" if j == 1 else "stop"
     return groups
 
 
@@ -107,7 +107,7 @@ def gradients_and_stats(tiny_math, groups, args, step=0):  # noqa: F811
     """The float64 gradient of one step's loss (`accumulate_gradients`, the initial weights as the KL's reference)
     and its stats."""
     model = copy.deepcopy(tiny_math[0]).double()
-    rewards = torch.tensor([s["reward"] for s in flatten_groups(groups)], dtype=torch.float64)
+    rewards = torch.tensor([s.reward for s in flatten_groups(groups)], dtype=torch.float64)
     stats = accumulate_gradients(model, copy.deepcopy(model), groups, rewards, args, len(tiny_math[1]), step=step)
     return {name: p.grad.clone() for name, p in model.named_parameters()}, stats
 
@@ -153,7 +153,7 @@ def test_overlong_filtering_gives_a_cut_completion_no_gradient(tiny_math):  # no
     groups = scored_groups(tiny_math)
     changed = copy.deepcopy(groups)
     for group in changed:
-        group["attempts"][1]["logprobs"] = [lp - 0.7 for lp in group["attempts"][1]["logprobs"]]
+        group.attempts[1].logprobs = [lp - 0.7 for lp in group.attempts[1].logprobs]
     for filtering in (False, True):
         args = dataclasses.replace(get_preset("tiny"), group_size=4, temperature=0.8, overlong_filtering=filtering)
         before, after = (

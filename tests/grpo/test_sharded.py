@@ -52,14 +52,14 @@ def two_steps(tmp_path_factory):
     for token_budget, max_tokens in ((30, [6, 9, 4]), (10**6, [5, 7, 3])):
         groups = sampled_groups(tiny_math, prompts, max_tokens, attempts=4)
         for i, group in enumerate(groups):
-            for j, attempt in enumerate(group["attempts"]):
-                attempt["reward"] = float((i + j + len(steps)) % 2)
+            for j, attempt in enumerate(group.attempts):
+                attempt.reward = float((i + j + len(steps)) % 2)
         steps.append({"token_budget": token_budget, "groups": groups})
     from lm_human_preference_details.grpo.trainer import pack
 
     assert [len(pack(s["groups"], s["token_budget"])) for s in steps] == [3, 1]
     path = tmp_path_factory.mktemp("steps") / "steps.json"
-    path.write_text(json.dumps(steps))
+    path.write_text(json.dumps([{**s, "groups": [g.to_json() for g in s["groups"]]} for s in steps]))
     return path
 
 

@@ -16,6 +16,7 @@ from lm_human_preference_details.grpo import trainer
 from lm_human_preference_details.grpo.checkpoints import checkpoint_model, save_checkpoint
 from lm_human_preference_details.grpo.config import get_preset
 from lm_human_preference_details.grpo.engine import Engine, GenerationRequest
+from lm_human_preference_details.grpo.records import Attempt, Group
 from lm_human_preference_details.grpo.server import load_for_inference
 from lm_human_preference_details.grpo.streams import open_writer
 from lm_human_preference_details.grpo.trainer import (
@@ -39,7 +40,7 @@ def tiny_math():
     return load_for_inference("tiny-math", "cpu")
 
 
-def sampled_groups(tiny_math, prompts: list[str], max_tokens: list[int], attempts: int) -> list[dict]:
+def sampled_groups(tiny_math, prompts: list[str], max_tokens: list[int], attempts: int) -> list[Group]:
     """Stream records of `attempts` engine samples of each prompt (temperature 0.8, stopping at EOS)."""
     model, tokenizer = tiny_math
     with Engine(model, max_batch_size=8, seed=3, vocab_size=len(tokenizer)) as engine:
@@ -51,14 +52,14 @@ def sampled_groups(tiny_math, prompts: list[str], max_tokens: list[int], attempt
         futures = engine.submit_many([r for r in requests for _ in range(attempts)])
         generations = [f.result(timeout=60) for f in futures]
     return [
-        {
-            "prompt_ids": p,
-            "problem_id": str(i),
-            "attempts": [
-                {"completion_ids": g.token_ids, "logprobs": g.logprobs, "versions": g.versions}
+        Group(
+            prompt_ids=p,
+            problem_id=str(i),
+            attempts=[
+                Attempt(completion_ids=g.token_ids, logprobs=g.logprobs, versions=g.versions, reward=0.0)
                 for g in generations[i * attempts : (i + 1) * attempts]
             ],
-        }
+        )
         for i, p in enumerate(prompt_ids)
     ]
 
@@ -80,7 +81,7 @@ def test_trainer_logprobs_match_the_engine_on_policy(tiny_math):
             new, _ = token_logprobs(model, batch, 0.8, len(tokenizer))
         mask = batch["mask"].bool()
         rows = batch["rows"].tolist()
-        assert [samples[r]["completion_ids"] for r in rows] == [
+        assert [samples[r].completion_ids for r in rows] == [
             row[m].tolist() for row, m in zip(batch["completion_ids"], mask)
         ]
         torch.testing.assert_close(new[mask], batch["behaviour"][mask], atol=2e-5, rtol=0)
@@ -106,8 +107,9 @@ def test_shared_prompt_forward_has_the_gradient_of_one_forward_per_sample(tiny_m
     new, _ = token_logprobs(model, batch, 0.8, len(tokenizer))
     shared = gradients((new * batch["mask"] * weights[batch["rows"], None]).sum())
     plain_loss = 0.0
-    for sample, weight in zip(samples, weights):
-        p, c = sample["prompt_ids"], sample["completion_ids"]
+    prompts = [g.prompt_ids for g in groups for _ in g.attempts]
+    for p, sample, weight in zip(prompts, samples, weights):
+        c = sample.completion_ids
         logits = model(torch.tensor([p + c])).logits[0, len(p) - 1 : -1, : len(tokenizer)]
         plain_loss = plain_loss + weight * torch.log_softmax(logits / 0.8, -1).gather(1, torch.tensor(c)[:, None]).sum()
     plain = gradients(plain_loss)
@@ -120,9 +122,9 @@ def test_a_steps_gradient_and_stats_do_not_depend_on_how_its_groups_are_packed(t
     micro-batch, so one micro-batch or one per attempt gives the same gradient (float64), and the same stats."""
     groups = sampled_groups(tiny_math, ["1+2=\\boxed{", "33+44=\\boxed{", "2+2=\\boxed{"], [6, 9, 4], attempts=4)
     for i, group in enumerate(groups):  # rewards that differ within each group: advantages that are not 0
-        for j, attempt in enumerate(group["attempts"]):
-            attempt["reward"] = float((i + j) % 2)
-    rewards = torch.tensor([s["reward"] for s in flatten_groups(groups)])
+        for j, attempt in enumerate(group.attempts):
+            attempt.reward = float((i + j) % 2)
+    rewards = torch.tensor([s.reward for s in flatten_groups(groups)])
     model, tokenizer = copy.deepcopy(tiny_math[0]).double(), tiny_math[1]
     runs = []
     for budget in (10**6, 8):  # everything at once; one attempt per micro-batch
@@ -141,12 +143,12 @@ def test_a_steps_gradient_and_stats_do_not_depend_on_how_its_groups_are_packed(t
 
 
 def test_pack_fills_the_token_budget_and_splits_only_groups_over_it():
-    def group(prompt: int, completions: list[int]) -> dict:
-        return {"prompt_ids": [1] * prompt, "attempts": [{"completion_ids": [2] * c} for c in completions]}
+    def group(prompt: int, completions: list[int]) -> Group:
+        return Group(problem_id="p", prompt_ids=[1] * prompt, attempts=[one_attempt([2] * c) for c in completions])
 
     def tokens(batch) -> int:  # prompts once each + every completion, each padded to the micro-batch's longest
-        prompt = max(len(groups[i]["prompt_ids"]) for i, _, _ in batch)
-        completion = max(len(a["completion_ids"]) for i, first, end in batch for a in groups[i]["attempts"][first:end])
+        prompt = max(len(groups[i].prompt_ids) for i, _, _ in batch)
+        completion = max(len(a.completion_ids) for i, first, end in batch for a in groups[i].attempts[first:end])
         return len(batch) * prompt + sum(end - first for _, first, end in batch) * completion
 
     groups = [group(5, [3, 1]), group(4, [6, 2]), group(5, [1, 1]), group(3, [4, 4]), group(6, [2, 2])]
@@ -177,7 +179,7 @@ def test_shared_prompt_forward_refuses_sliding_window_layers():
         num_key_value_heads=1,
         sliding_window=4,
     )
-    group = {"prompt_ids": [1, 2, 3, 4, 5, 6], "attempts": [{"completion_ids": [7, 8], "logprobs": [0.0, 0.0]}] * 2}
+    group = Group(problem_id="p", prompt_ids=[1, 2, 3, 4, 5, 6], attempts=[one_attempt([7, 8])] * 2)
     batch = batch_tensors([group], [(0, 0, 2)], "cpu")
     with pytest.raises(NotImplementedError, match="sliding-window"):
         token_logprobs(MistralForCausalLM(config).eval(), batch, 1.0, 16)
@@ -187,20 +189,26 @@ def test_the_trainer_refuses_groups_sampled_with_other_settings_than_its_own():
     """A trainer and an actor started apart with different flags: a group of another size would be merged with
     or split from its neighbours by the baseline, logprobs at another temperature make every ratio pi/mu wrong."""
     args = get_preset("tiny")  # groups of 8, temperature 1
-    group = {"problem_id": "sum-1-2", "temperature": 1.0, "attempts": [{"reward": 1.0}] * 8}
+    group = stream_group(0, problem_id="sum-1-2")
     check_group(group, args)
-    check_group({k: v for k, v in group.items() if k != "temperature"}, args)  # a stream from before it was recorded
+    check_group(dataclasses.replace(group, temperature=None), args)  # a stream from before it was recorded
     with pytest.raises(UserError, match="group for problem 'sum-1-2' has 4 attempts, this trainer's --group-size is 8"):
-        check_group({**group, "attempts": group["attempts"][:4]}, args)
+        check_group(dataclasses.replace(group, attempts=group.attempts[:4]), args)
     with pytest.raises(UserError, match="sampled at temperature 0.7, this trainer's --temperature is 1.0"):
-        check_group({**group, "temperature": 0.7}, args)
+        check_group(dataclasses.replace(group, temperature=0.7), args)
 
 
-def stream_group(problem: int, attempts: int = 8, **fields) -> dict:
+def one_attempt(completion_ids: tuple[int, ...] = (1,)) -> Attempt:
+    """An attempt with reward 1, sampled at weights 0, each token at probability 1."""
+    n = len(completion_ids)
+    return Attempt(completion_ids=list(completion_ids), logprobs=[0.0] * n, versions=[0] * n, reward=1.0)
+
+
+def stream_group(problem: int, attempts: int = 8, **fields) -> Group:
     """A stream record of `attempts` one-token attempts at problem `problem`."""
-    attempt = {"completion_ids": [1], "logprobs": [0.0], "versions": [0], "reward": 1.0}
-    return {"problem_id": f"p{problem}", "prompt_ids": [1, 2], "temperature": 1.0, "attempts": [attempt] * attempts} | (
-        fields
+    return dataclasses.replace(
+        Group(problem_id=f"p{problem}", prompt_ids=[1, 2], temperature=1.0, attempts=[one_attempt()] * attempts),
+        **fields,
     )
 
 
@@ -222,11 +230,11 @@ def test_the_trainer_reads_a_step_of_groups_at_a_time_and_in_sync_mode_the_whole
             writer.write(stream_group(5))
 
     stream = GroupReader(args, start=0, while_waiting=while_waiting)
-    assert [g["problem_id"] for g in stream.read_step(0)] == ["p0", "p1"] and len(waits) >= 2
+    assert [g.problem_id for g in stream.read_step(0)] == ["p0", "p1"] and len(waits) >= 2
     assert stream.position == 2
-    assert [g["problem_id"] for g in stream.read_step(1)] == ["p2", "p3"] and stream.position == 4
+    assert [g.problem_id for g in stream.read_step(1)] == ["p2", "p3"] and stream.position == 4
     waited = len(waits)
-    assert [g["problem_id"] for g in stream.read_step(2)] == ["p4", "p5"] and len(waits) == waited
+    assert [g.problem_id for g in stream.read_step(2)] == ["p4", "p5"] and len(waits) == waited
     writer.write(stream_group(6, attempts=4))  # another group size than the trainer's: refused
     writer.write(stream_group(7))
     with pytest.raises(UserError, match="group for problem 'p6' has 4 attempts"):
@@ -235,7 +243,7 @@ def test_the_trainer_reads_a_step_of_groups_at_a_time_and_in_sync_mode_the_whole
     writer.close()
 
     stream = GroupReader(args, start=2, while_waiting=lambda: None)
-    assert [g["problem_id"] for g in stream.read_step(1)] == ["p2", "p3"]  # a resumed run, mid-round
+    assert [g.problem_id for g in stream.read_step(1)] == ["p2", "p3"]  # a resumed run, mid-round
     stream.close()
 
 
@@ -281,8 +289,8 @@ def test_a_steps_metrics_say_its_lag_throughput_and_where_its_time_went(monkeypa
     }
 
     samples = [
-        {"completion_ids": [7, 8], "versions": [4, 4]},
-        {"completion_ids": [7, 8, 9, 2], "versions": [2, 2, 3, 3]},
+        Attempt(completion_ids=[7, 8], logprobs=[0.0] * 2, versions=[4, 4], reward=1.0),
+        Attempt(completion_ids=[7, 8, 9, 2], logprobs=[0.0] * 4, versions=[2, 2, 3, 3], reward=1.0),
     ]
     metrics = step_metrics(samples, torch.tensor([1.0, 0.0]), 5, 0.25, first, broadcast_s=0.5)
     assert list(metrics) == [
@@ -321,7 +329,7 @@ def test_a_steps_metrics_say_its_lag_throughput_and_where_its_time_went(monkeypa
     tracker = Tracker()
     args = dataclasses.replace(get_preset("tiny"), steps=5, sample_interval=2, group_size=1)
     for version in range(1, 6):
-        log_step(tracker, args, version, [{"problem_id": "p", "reward": 1.0, **s} for s in samples], metrics)
+        log_step(tracker, args, version, [Group(problem_id="p", prompt_ids=[1], attempts=samples[:1])], metrics)
     assert tracker.logged == [1, 2, 3, 4, 5]
     assert [step for step, _ in tracker.tables] == [2, 4, 5]  # every 2nd step, and the last
     assert tracker.tables[0][1] == [{"problem_id": "p", "reward": 1.0, "completion": ""}]  # the first group's

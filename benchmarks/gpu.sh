@@ -83,7 +83,8 @@ else  # one process per row (a GPU run varies less than the 2-core CPU's)
     grpo=(--steps 100 --repeats 1 --no-per-tensor-row --no-one-thread-row --pipeline-steps-ahead 2 6 -- --max-tokens 24 --ignore-eos)
     limits=(170 190)  # seconds per table: with the setup, under the run's 480 s (the device's 15 minutes hold one such run, not two)
     # vLLM's rows where the GPU image has vLLM (too large to carry in .whl/): the image's python serves as the vLLM
-    # environment (grpo/vllm_env.py's layout; its server sees the image's packages, not .whl/'s newer transformers),
+    # environment (grpo/serving/vllm_env.py's layout; its server sees the image's packages, not .whl/'s newer
+    # transformers),
     # weights go over gloo (the launcher's default: trainer and servers share the one GPU, where NCCL refuses two
     # ranks), and the GRPO table gets the time of the PPO table's shorter run
     if vllm_version=$(PYTHONPATH="$PWD" python3 -c "import vllm; print(vllm.__version__)" 2>/dev/null); then

@@ -78,7 +78,7 @@ def sample_completions(model, ids, prompt_mask, settings, tokenizer, generator):
     token for the whole batch, until `max_tokens` or every row's EOS), and the mask of their tokens up to EOS."""
     import torch
 
-    from lm_human_preference_details.grpo.engine import sample_tokens
+    from lm_human_preference_details.grpo.serving.engine import sample_tokens
 
     vocab, eos = len(tokenizer), tokenizer.eos_token_id
     with torch.no_grad():

@@ -1,6 +1,6 @@
 """The limit row of benchmarks/grpo_speed.py's generation table: vLLM's own offline `LLM.generate`, built from the
-engine arguments, environment and sampling that grpo/vllm_server.py derives from the same server flags, timing the
-prompts, samples per prompt and tokens of the server's timed requests, all given at once.
+engine arguments, environment and sampling that grpo/serving/vllm_server.py derives from the same server flags,
+timing the prompts, samples per prompt and tokens of the server's timed requests, all given at once.
 
     PYTHONPATH=. .venv-vllm/bin/python benchmarks/vllm_generate.py --prompts prompts.json --n 8 --max-tokens 24 \\
         --out limit.json -- --model tiny-math --threads 2 --max-batch-size 256
@@ -9,7 +9,7 @@ Runs in the vLLM environment (argparse only: it has no tyro). `--prompts` is a J
 `{"warm_up": [prompt, ...], "timed": [prompt, ...]}`: the warm-up prompts are generated first, untimed (vLLM's
 first generate is slower), then the timed ones. Each prompt is tokenized as the server tokenizes a request's, and
 sampled `--n` times, `--max-tokens` tokens each past EOS (the actor's `ignore_eos` requests). The flags after `--`
-are the server's (`grpo.vllm_server.parse_args`); the result, JSON, goes to `--out` and stdout.
+are the server's (`grpo.serving.vllm_server.parse_args`); the result, JSON, goes to `--out` and stdout.
 """
 
 import argparse
@@ -18,8 +18,8 @@ import shutil
 import sys
 import time
 
-from lm_human_preference_details.grpo.http_contract import Sampling
-from lm_human_preference_details.grpo.vllm_server import (
+from lm_human_preference_details.grpo.serving.http_contract import Sampling
+from lm_human_preference_details.grpo.serving.vllm_server import (
     _environment,
     engine_arguments,
     engine_dtype,
@@ -44,7 +44,7 @@ def generate(prompts: dict[str, list[str]], n: int, max_tokens: int, temperature
     params = sampling_params(Sampling(max_tokens, temperature, frozenset(), n))  # ignore_eos: no stop token
 
     def timed(texts: list[str]) -> tuple[float, list]:
-        # as grpo.http_contract tokenizes a request's prompts (outside the time: the engine's work is timed)
+        # as grpo.serving.http_contract tokenizes a request's prompts (outside the time: the engine's work is timed)
         ids = [TokensPrompt(prompt_token_ids=tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
         start = time.perf_counter()
         outputs = llm.generate(ids, params, use_tqdm=False)

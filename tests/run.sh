@@ -6,8 +6,8 @@
 #
 # It installs into the Python that runs it (`python3`, or $PYTHON): torch (if it has none), this project with
 # the extras the suite uses, pinned by .ci/constraints.txt, SmolLM2's GGUF, TRL in two environments of its own
-# for the speed comparisons and vLLM in one (grpo/vllm_env.py); redis-server through apt-get when it is not on
-# PATH (the stream tests start their own on a free port). A test skipped for anything this script should have
+# for the speed comparisons and vLLM in one (grpo/serving/vllm_env.py); redis-server through apt-get when it is not
+# on PATH (the stream tests start their own on a free port). A test skipped for anything this script should have
 # set up is a failure here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,7 +27,7 @@ LMHPD_TRL116_PYTHON=$(PYTHON=$python bash benchmarks/trl_env.sh .venv-trl116 1.1
 export LMHPD_TRL_PYTHON LMHPD_TRL116_PYTHON
 
 # vLLM in an environment of its own (it pins an older transformers than this project's): the vLLM server's tests
-"$python" -m lm_human_preference_details.grpo.vllm_env
+"$python" -m lm_human_preference_details.grpo.serving.vllm_env
 
 if ! command -v redis-server >/dev/null; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then

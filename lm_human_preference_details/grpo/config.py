@@ -257,11 +257,11 @@ class GRPOArgs(RunArgs):
     servers: list[str] = field(default_factory=list)
     """URLs of servers already running (then launch starts none)"""
     engine: Engine = "auto"
-    """the servers the launcher starts: `home` is grpo/server.py (this package's batched decoder, any model, the tested
-    and lighter one on a CPU); `vllm` is grpo/vllm_server.py, the same contract served by vLLM in its own environment
-    (`python -m lm_human_preference_details.grpo.vllm_env` makes it; on a CPU vLLM's attention takes heads 32, 64, 80,
-    ... wide, not the tiny presets' 16). `auto`: vLLM where a GPU is visible and its environment holds vLLM's GPU build
-    (`vllm_env --gpu`; where its speed matters), else home (`GRPOArgs.server_engine`)"""
+    """the servers the launcher starts: `home` is grpo/serving/server.py (this package's batched decoder, any model, the
+    tested and lighter one on a CPU); `vllm` is grpo/serving/vllm_server.py, the same contract served by vLLM in its own
+    environment (`python -m lm_human_preference_details.grpo.serving.vllm_env` makes it; on a CPU vLLM's attention takes
+    heads 32, 64, 80, ... wide, not the tiny presets' 16). `auto`: vLLM where a GPU is visible and its environment
+    holds vLLM's GPU build (`vllm_env --gpu`; where its speed matters), else home (`GRPOArgs.server_engine`)"""
     server_batch_size: int = 64
     """sequences each server decodes together"""
     max_in_flight: int = 32
@@ -310,7 +310,7 @@ class GRPOArgs(RunArgs):
     def server_engine(self) -> Literal["home", "vllm"]:
         """`engine` with `auto` resolved: vLLM where its environment holds the GPU build and a GPU is visible, else
         home. A UserError for `vllm` without its environment, naming the command that makes it."""
-        from lm_human_preference_details.grpo import vllm_env  # the standard library only
+        from lm_human_preference_details.grpo.serving import vllm_env  # the standard library only
 
         if self.engine == "home":
             return "home"

@@ -13,8 +13,8 @@ child) when the launcher itself is killed. A server that dies is tolerated while
 the actor retries its requests elsewhere. `--resume` continues from the last checkpoint.
 The trainer and the actor start with the servers and receive the servers' URLs once they serve.
 
-`--engine` picks the servers: grpo/server.py (`home`) or grpo/vllm_server.py (`vllm`, in the vLLM environment);
-`auto` takes vLLM where its environment exists and a GPU is visible.
+`--engine` picks the servers: grpo/serving/server.py (`home`) or grpo/serving/vllm_server.py (`vllm`, in the vLLM
+environment); `auto` takes vLLM where its environment exists and a GPU is visible.
 
 Files in `--output-dir`: metrics.jsonl (one line per optimizer step), samples.jsonl, stream.jsonl
 (the samples the actor wrote), servers.json (each server's /metrics and engine at the end), logs/ (vLLM's caches
@@ -118,9 +118,10 @@ def free_port() -> int:
 
 
 class ServerEngine:
-    """Which server the launcher starts (`GRPOArgs.server_engine`): `home` (grpo/server.py in this interpreter) or
-    `vllm` (grpo/vllm_server.py in the vLLM environment, its caches and sockets in the run's folder). Everything the
-    engine changes in how a server starts is here; its flags (model, threads, seed, batch, version, dtype) are one."""
+    """Which server the launcher starts (`GRPOArgs.server_engine`): `home` (grpo/serving/server.py in this interpreter)
+    or `vllm` (grpo/serving/vllm_server.py in the vLLM environment, its caches and sockets in the run's folder).
+    Everything the engine changes in how a server starts is here; its flags (model, threads, seed, batch, version,
+    dtype) are one."""
 
     def __init__(self, name: Literal["home", "vllm"], output_dir: str):
         self.name = name
@@ -149,7 +150,7 @@ class ServerEngine:
         """Server `i` with `flags` (`server_flags`'), in `env` (default: this process's environment)."""
         if self.name == "home":
             return ServerProcess(flags, log_file, env)
-        from lm_human_preference_details.grpo import vllm_env
+        from lm_human_preference_details.grpo.serving import vllm_env
 
         cache = os.path.abspath(os.path.join(self.output_dir, "logs", f"vllm-server-{i}"))
         env = dict(

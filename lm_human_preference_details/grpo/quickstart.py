@@ -48,10 +48,10 @@ def engine_choice(args: GRPOArgs) -> str:
     if args.server_engine() == "vllm":
         return "vLLM (`--engine home` for this package's decoder)"
     if args.engine == "home":
-        return "the home engine (grpo/server.py), as --engine says"
+        return "the home engine (grpo/serving/server.py), as --engine says"
     return (
-        "the home engine (grpo/server.py): vLLM is taken where a GPU is visible and `vllm_env --gpu` has made its "
-        "environment; on a CPU the home engine is the faster (it starts sooner and pauses less per weight update: "
+        "the home engine (grpo/serving/server.py): vLLM is taken where a GPU is visible and `vllm_env --gpu` has made "
+        "its environment; on a CPU the home engine is the faster (it starts sooner and pauses less per weight update: "
         "benchmarks/README.md); `--engine vllm` forces it"
     )
 

@@ -16,8 +16,8 @@ from typing import ClassVar
 import pytest
 
 from lm_human_preference_details.assets import tiny_math_prompt
-from lm_human_preference_details.grpo import vllm_env
 from lm_human_preference_details.grpo.client import request_json
+from lm_human_preference_details.grpo.serving import vllm_env
 from lm_human_preference_details.tracking import read_metrics
 from tests.conftest import redis_client, save_tiny_math_with_chat_template, with_stream
 
@@ -198,7 +198,7 @@ def test_both_schedules_learn_and_leave_no_process_behind(tmp_path, mode):
     else:  # new weights after every step; the actor starts groups at most 4 steps ahead
         assert server["weight_updates"] == 100
         assert 0.3 < sum(r["lag/mean"] for r in rows) / 100 < 4
-    assert any("grpo.server" in c for c in run.seen.values()) and len(run.seen) >= 3, run.seen
+    assert any("grpo.serving.server" in c for c in run.seen.values()) and len(run.seen) >= 3, run.seen
     assert run.leftovers() == []
 
 
@@ -461,7 +461,7 @@ def test_servers_started_elsewhere_must_serve_the_weights_the_run_starts_from(tm
         )
         assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith(
             f"error: --servers: {url} serves weights version 3, and this run starts at 0: restart it with "
-            "`python -m lm_human_preference_details.grpo.server --model tiny-math --version 0`"
+            "`python -m lm_human_preference_details.grpo.serving.server --model tiny-math --version 0`"
         ), result.stderr
         for role in ("trainer", "actor"):  # started alone, as on other hosts
             result = subprocess.run(
@@ -553,7 +553,8 @@ def bound_unix_sockets(pids) -> set[str]:
 
 needs_vllm = pytest.mark.skipif(
     vllm_env.python_executable() is None,
-    reason=f"no vLLM environment at {vllm_env.env_path()} (`python -m lm_human_preference_details.grpo.vllm_env`)",
+    reason=f"no vLLM environment at {vllm_env.env_path()} "
+    "(`python -m lm_human_preference_details.grpo.serving.vllm_env`)",
 )
 
 
@@ -586,7 +587,7 @@ def test_the_tiny_preset_learns_on_vllm_servers_and_keeps_vllm_inside_the_run_fo
     else:
         assert server["weight_updates"] == 100
         assert 0.3 < sum(r["lag/mean"] for r in rows) / 100 < 4
-    assert any("grpo.vllm_server" in c for c in run.seen.values()), run.seen
+    assert any("grpo.serving.vllm_server" in c for c in run.seen.values()), run.seen
     assert run.leftovers() == []
     # vLLM's ZeroMQ sockets were bound inside the run's folder, and its caches are there
     assert sockets, "no Unix socket seen"
@@ -623,7 +624,7 @@ def test_engine_vllm_without_its_environment_is_one_line_naming_the_command(tmp_
     assert result.returncode == 2, result.stderr
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("error: --engine vllm: no vLLM environment at") and (
-        "`python -m lm_human_preference_details.grpo.vllm_env`" in line
+        "`python -m lm_human_preference_details.grpo.serving.vllm_env`" in line
     ), line
     assert not os.path.exists(tmp_path / "run" / "logs")  # nothing started
 

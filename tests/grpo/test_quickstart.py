@@ -50,7 +50,7 @@ def test_the_quickstart_says_which_engine_serves_and_why(monkeypatch):
     monkeypatch.setattr(type(args), "server_engine", lambda self: "home")  # what `auto` gives without a GPU
     assert "vLLM is taken where a GPU is visible" in quickstart.engine_choice(args)
     args.engine = "home"
-    assert quickstart.engine_choice(args) == "the home engine (grpo/server.py), as --engine says"
+    assert quickstart.engine_choice(args) == "the home engine (grpo/serving/server.py), as --engine says"
     monkeypatch.setattr(type(args), "server_engine", lambda self: "vllm")
     assert quickstart.engine_choice(args).startswith("vLLM")
     args.servers = ["http://10.0.0.1:8000"]

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from lm_human_preference_details.grpo.server import load_for_inference
+from lm_human_preference_details.grpo.serving.server import load_for_inference
 from tests.conftest import REPO, accelerate_two_processes
 from tests.grpo.test_launch import Launched, metrics, success_rise
 from tests.grpo.test_trainer import sampled_groups

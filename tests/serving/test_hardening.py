@@ -28,7 +28,7 @@ from lm_human_preference_details.grpo.protocol import TOKEN_ENV
 from tests.conftest import post_raw, save_tiny_math_with_chat_template
 from tests.serving.test_contract import check_a_rendezvous_that_never_comes_is_a_clear_error, sdk
 
-HOME_SERVER = [sys.executable, "-m", "lm_human_preference_details.grpo.server"]
+HOME_SERVER = [sys.executable, "-m", "lm_human_preference_details.grpo.serving.server"]
 
 
 def start_home_server(model_dir: str, log_path, *flags: str, env: dict | None = None) -> ServerProcess:
@@ -339,7 +339,7 @@ def test_a_fuzz_of_hostile_requests_leaves_the_server_serving_without_growing(ho
 
 
 def test_a_servers_control_access_comes_from_its_token_file_or_the_environment(tmp_path, monkeypatch):
-    from lm_human_preference_details.grpo.http_contract import ControlAccess
+    from lm_human_preference_details.grpo.serving.http_contract import ControlAccess
 
     monkeypatch.setenv(TOKEN_ENV, "from-the-environment")
     assert ControlAccess.for_server("0.0.0.0", "", []).token == "from-the-environment"

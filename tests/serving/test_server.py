@@ -131,7 +131,7 @@ def test_the_server_dtypes_are_dtypes_an_update_can_carry():
 
 
 def test_server_binds_loopback_by_default():
-    from lm_human_preference_details.grpo.server import Args
+    from lm_human_preference_details.grpo.serving.server import Args
 
     assert Args().host == "127.0.0.1"
 

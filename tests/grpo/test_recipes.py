@@ -182,14 +182,24 @@ def test_the_tiny_preset_learns_under_every_recipe(tmp_path, recipe):
     assert run.leftovers() == []
 
 
-def test_the_options_are_the_losss_own_names():
-    """config.py spells out loss.py's option names (the launcher imports no torch, so not loss.py)."""
-    from typing import get_args
+def test_every_loss_option_the_flags_offer_is_one_the_loss_implements():
+    """The flags' choices (grpo/loss_options.py's names) each run through the loss: a loss type, an
+    importance-sampling mode, a normaliser, a baseline and a std are accepted."""
+    from typing import get_args, get_type_hints
 
-    from lm_human_preference_details.grpo import config, loss
+    from lm_human_preference_details.grpo import loss
 
-    for name in ("LossType", "ImportanceSampling", "Normalizer"):
-        assert get_args(getattr(config, name)) == get_args(getattr(loss, name)), name
+    choices = {name: get_args(hint) for name, hint in get_type_hints(GRPOArgs).items()}
+    x, mask = torch.zeros(1, 2), torch.ones(1, 2)
+    for loss_type in choices["loss_type"]:
+        loss.policy_loss(x, x, torch.ones(1), mask, 1, loss_type=loss_type)
+    for mode in choices["importance_sampling"]:
+        loss.policy_loss(x, x, torch.ones(1), mask, 1, importance_sampling=mode)
+    for normalizer in choices["loss_normalizer"]:
+        loss.token_weights(mask, normalizer, 1, num_tokens=2, max_tokens=2, group_tokens=torch.ones(1))
+    for baseline in choices["baseline"]:
+        for std_over in choices["std_over"]:
+            loss.group_advantages(torch.tensor([0.0, 1.0]), 2, baseline, True, std_over=std_over)
 
 
 def test_a_group_of_one_trains_only_on_the_rewards():

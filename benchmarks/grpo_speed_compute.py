@@ -18,7 +18,7 @@ def raw_step_times(args: Args) -> list[float]:
     from transformers import AutoTokenizer
 
     from lm_human_preference_details.assets import resolve_model_path
-    from lm_human_preference_details.grpo.loss import policy_loss
+    from lm_human_preference_details.grpo.loss import LossSettings, policy_loss
     from lm_human_preference_details.grpo.rewards import load_task_problems
     from lm_human_preference_details.models import load_causal_lm, logprobs_of
     from lm_human_preference_details.optim import make_optimizer
@@ -54,16 +54,8 @@ def raw_step_times(args: Args) -> list[float]:
             logits_to_keep=predicting,
         ).logits[..., :vocab]
         logprobs = logprobs_of(logits, completions, settings.temperature)
-        loss, _ = policy_loss(
-            logprobs,
-            logprobs.detach(),
-            advantages,
-            valid,
-            num_sequences=len(batch),
-            loss_type=settings.loss_type,
-            ratio_cap=settings.ratio_cap,
-            clip_eps=settings.clip_eps,
-        )
+        options = LossSettings(loss_type=settings.loss_type, ratio_cap=settings.ratio_cap, clip_eps=settings.clip_eps)
+        loss = policy_loss(logprobs, logprobs.detach(), advantages, valid, len(batch), options).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
         optimizer.step()

@@ -13,7 +13,7 @@ One optimizer step (the project's default recipe: the PipelineRL paper's; `GRPOA
 
     adv = group_advantages(rewards, group_size)                      # (n,), computed once per batch
     for micro_batch in split(batch):                                 # any split, packed or not
-        loss, stats = policy_loss(new_lp, behaviour_lp, adv[rows], mask, num_sequences=n)
+        loss = policy_loss(new_lp, behaviour_lp, adv[rows], mask, num_sequences=n).loss
         loss.backward()                                              # gradients add up over micro-batches
     optimizer.step()
 
@@ -22,6 +22,10 @@ optimizer batch, so the micro-batch losses add up to the full-batch loss and lon
 than short ones (no per-sequence length normalisation), as in PipelineRL; `token_weights` gives TRL's
 normalisations and PipelineRL's group normalisation, computed over the whole batch so that they add up too.
 """
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -238,25 +242,153 @@ def reinforce_weights(
     return ratio.masked_fill(capped, 0.0), capped
 
 
+@dataclass(frozen=True)
+class LossSettings:
+    """How `policy_loss` makes its loss, the same for every micro-batch of an optimizer step (the trainer's
+    `loss_settings` takes them from `GRPOArgs`, the KL coefficient and the entropy bonus at the step's point of
+    their schedules).
+
+    loss_type: the per-token objective, one of `POLICY_OBJECTIVES` (its function's docstring says what it is).
+    ratio_cap: the cap of the reinforce weight (paper: 5; PipelineRL's code caps at 1 + epsilon_high, 1.02 in
+        its conf/finetune/base.yaml). Unused by ppo_clip and gspo.
+    importance_sampling: `reinforce_weights`'s mode. Only reinforce has one (ValueError otherwise).
+    clip_eps: PPO's epsilon (below 1; above too unless clip_eps_high is given). Unused by reinforce.
+    clip_eps_high: the epsilon above 1 (None: clip_eps): a larger one lets unlikely tokens that did well
+        grow faster (DAPO's "clip-higher", arXiv 2503.14476, uses 0.28). Unused by reinforce.
+    kl_coef: weight of the k3 penalty to the reference, subtracted from the per-token objective
+        (PipelineRL: loss = policy_loss - kl_coef * approx_kl); it carries gradients through
+        new_logprobs. Default 0 (PipelineRL's base.yaml; TRL's beta). Nonzero, `policy_loss` needs ref_logprobs.
+    kl_clamp: the bound of the log ratio in the k3 penalty (`k3_kl`'s max_log_ratio; PipelineRL's
+        clamp_log_ratio_ref_new_value).
+    entropy_coef: the weight of the entropy added to the per-token objective (PipelineRL: loss = ... +
+        entropy_bonus_coef * entropy). Nonzero, `policy_loss` needs entropy.
+    """
+
+    loss_type: LossType = "reinforce"
+    ratio_cap: float = 5.0
+    importance_sampling: ImportanceSampling = "token_truncate"
+    clip_eps: float = 0.2
+    clip_eps_high: float | None = None
+    kl_coef: float = 0.0
+    kl_clamp: float = REF_LOG_RATIO_CLAMP
+    entropy_coef: float = 0.0
+
+    def __post_init__(self):
+        if self.loss_type not in POLICY_OBJECTIVES:
+            raise ValueError(f"unknown loss_type {self.loss_type!r}; expected one of {tuple(POLICY_OBJECTIVES)}")
+        if self.loss_type != "reinforce" and self.importance_sampling != "token_truncate":
+            raise ValueError(
+                f"importance_sampling {self.importance_sampling!r} is reinforce's; loss_type is {self.loss_type!r}"
+            )
+
+    @property
+    def clip_range(self) -> tuple[float, float]:
+        """PPO's clip range of the ratio, [1 - clip_eps, 1 + clip_eps_high]."""
+        return 1.0 - self.clip_eps, 1.0 + (self.clip_eps if self.clip_eps_high is None else self.clip_eps_high)
+
+
+@dataclass(frozen=True)
+class TokenTerms:
+    """A micro-batch as every loss kind reads it, (B, T) tensors."""
+
+    new_logprobs: Tensor  # log pi of the sampled tokens, carrying gradients
+    log_ratio: Tensor  # log pi - log mu, carrying gradients through log pi
+    ratio: Tensor  # pi / mu = exp(log_ratio), the same
+    advantages: Tensor  # detached, (B, 1) (broadcast over the tokens) or (B, T)
+    mask: Tensor  # 1.0 on the tokens in the loss
+    sequence_mask: Tensor  # 1.0 on each sequence's tokens: `mask`'s and those of the rows left out of the loss
+
+
+class Objective(NamedTuple):
+    """A loss kind's per-token objective (to maximise), where the ratio was capped or clipped (bool), and the importance
+    weight it applied (detached; None when the ratio enters otherwise), all (B, T)."""
+
+    objective: Tensor
+    clipped: Tensor
+    weight: Tensor | None = None
+
+
+def reinforce_objective(terms: TokenTerms, settings: LossSettings) -> Objective:
+    """PipelineRL's (rl_step, case "reinforce"; arXiv 2509.19128): log pi * A * w, w = `reinforce_weights`
+    (min(ratio, ratio_cap) by default), detached, so that its gradient is w * A * grad log pi: the importance-weighted
+    policy gradient with the weight capped above. On policy (ratio = 1) it is plain REINFORCE. It is also TRL's loss
+    with `vllm_importance_sampling_correction` (truncated importance sampling, cap ratio_cap, mode
+    importance_sampling) at one gradient step per batch, where TRL's ratio to its own logprobs is 1. A sequence mode
+    takes a row's ratio over its tokens (`sequence_mask`), also where the row is out of the loss (for the statistics).
+    """
+    # PipelineRL: pipelinerl/finetune/rl/__init__.py#L304-L309:
+    #   ratio_new_old = clamp(ratio_new_old, 0, 1 + epsilon_high)
+    #   policy_loss = new_logprobs * log_p_weights * ratio_new_old.detach()
+    # paper (arXiv 2509.19128): the importance weight pi / mu truncated at 5
+    weight, capped = reinforce_weights(
+        terms.log_ratio.detach(), terms.sequence_mask, settings.ratio_cap, settings.importance_sampling
+    )
+    return Objective(terms.new_logprobs * terms.advantages * weight, capped, weight)
+
+
+def ppo_clip_objective(terms: TokenTerms, settings: LossSettings) -> Objective:
+    """PPO's (arXiv 1707.06347; PipelineRL: rl_step, case "ppo", with epsilon_low and epsilon_high):
+    min(ratio * A, clamp(ratio, 1 - clip_eps, 1 + clip_eps_high) * A); clipped: the ratio outside that range, whether
+    or not the min picked the clipped term."""
+    # PipelineRL: rl_step, case "ppo"; ppo.py's clipped policy loss
+    # OAI: lm_human_preferences/train_policy.py#L350-L355
+    low, high = settings.clip_range
+    ratio, adv = terms.ratio, terms.advantages
+    clamped = torch.clamp(ratio, low, high)
+    return Objective(torch.minimum(ratio * adv, clamped * adv), (ratio < low) | (ratio > high))
+
+
+def gspo_objective(terms: TokenTerms, settings: LossSettings) -> Objective:
+    """GSPO's (arXiv 2507.18071; PipelineRL: rl_step, case "gspo"): PPO's clipped objective on the sequence's ratio
+    s = exp(masked mean of log ratio) and its mean advantage, one value for all its tokens. PipelineRL's loss is that
+    times the sum of the sequence's token weights: what `policy_loss`'s weights summed over its tokens give; with the
+    "sequence_mean" normaliser it is TRL's `importance_sampling_level="sequence"`. PipelineRL adds no KL penalty or
+    entropy bonus to it; `policy_loss` adds them as to the others."""
+    # PipelineRL: pipelinerl/finetune/rl/__init__.py#L310-L348; TRL: trl/trainer/grpo_trainer.py#L3087
+    low, high = settings.clip_range
+    m = terms.mask
+    tokens = m.sum(dim=1, keepdim=True).clamp(min=1.0)
+    sequence_ratio = torch.exp((terms.log_ratio * m).sum(dim=1, keepdim=True) / tokens)  # (B, 1)
+    sequence_adv = (terms.advantages.expand_as(m) * m).sum(dim=1, keepdim=True) / tokens
+    clamped = torch.clamp(sequence_ratio, low, high)
+    objective = torch.minimum(sequence_ratio * sequence_adv, clamped * sequence_adv).expand_as(m)
+    return Objective(objective, ((sequence_ratio < low) | (sequence_ratio > high)).expand_as(m))
+
+
+POLICY_OBJECTIVES: dict[str, Callable[[TokenTerms, LossSettings], Objective]] = {
+    "reinforce": reinforce_objective,
+    "ppo_clip": ppo_clip_objective,
+    "gspo": gspo_objective,
+}
+"""each loss kind's per-token objective, by the name `LossSettings.loss_type` gives (verl's `register_policy_loss`)"""
+
+DEFAULT_SETTINGS = LossSettings()
+
+
+class PolicyLoss(NamedTuple):
+    """`policy_loss`'s loss (0-d, carrying gradients) and stats (`loss_stats`), and for the caller's own statistics
+    the raw ratio pi/mu and reinforce's capped weight (None for the other kinds) of every token, (B, T), detached."""
+
+    loss: Tensor
+    stats: dict[str, Tensor]
+    ratio: Tensor
+    weight: Tensor | None
+
+
 def policy_loss(
     new_logprobs: Tensor,
     behaviour_logprobs: Tensor,
     advantages: Tensor,
     mask: Tensor,
     num_sequences: int,
-    loss_type: LossType = "reinforce",
-    ratio_cap: float = 5.0,
-    clip_eps: float = 0.2,
-    clip_eps_high: float | None = None,
+    settings: LossSettings = DEFAULT_SETTINGS,
+    *,
+    kept: Tensor | None = None,
     ref_logprobs: Tensor | None = None,
-    kl_coef: float = 0.0,
-    kl_clamp: float = REF_LOG_RATIO_CLAMP,
     entropy: Tensor | None = None,
-    entropy_coef: float = 0.0,
-    importance_sampling: ImportanceSampling = "token_truncate",
     weights: Tensor | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """Importance-weighted policy-gradient loss of PipelineRL (or PPO's clipped one, or GSPO's), and its stats.
+) -> PolicyLoss:
+    """PipelineRL's importance-weighted policy-gradient loss (or PPO's, or GSPO's: `settings.loss_type`), its stats.
 
     new_logprobs: (B, T) logprobs of the sampled tokens under the policy being trained (carry grads).
     behaviour_logprobs: (B, T) the same under the policy that sampled them (mu; in PipelineRL
@@ -264,159 +396,111 @@ def policy_loss(
     advantages: (B,) one advantage per sequence, broadcast over its tokens (or (B, T) per token);
         treated as constants (detached), as PipelineRL does. Any `policy_weights` (rewards, relu) go here.
     mask: (B, T) 1 (or True) on the response tokens that enter the loss, 0 on prompt and padding.
-    num_sequences: sequences in the whole optimizer batch (not just this micro-batch); the loss is
-        the token sum divided by it (PipelineRL: tokens_weights = 1 / config.batch_size), so the
-        losses of micro-batches split from one batch add up to the loss of the whole batch.
-    loss_type:
-        "reinforce" (PipelineRL: rl_step, case "reinforce"; arXiv 2509.19128): per-token objective
-            new_logprobs * A * w.detach(), w = `reinforce_weights` (min(ratio, ratio_cap) by default), whose
-            gradient is w * A * grad log pi: the importance-weighted policy gradient with the weight capped
-            above. On policy (ratio = 1) it is plain REINFORCE. It is also TRL's loss with
-            `vllm_importance_sampling_correction` (truncated importance sampling, cap ratio_cap, mode
-            importance_sampling) at one gradient step per batch, where TRL's ratio to its own logprobs is 1.
-        "ppo_clip": per-token objective min(ratio * A, clamp(ratio, 1 - clip_eps, 1 + clip_eps_high) * A)
-            (PPO, arXiv 1707.06347; PipelineRL: rl_step, case "ppo", with epsilon_low and epsilon_high).
-        "gspo": the same on the sequence's ratio s = exp(masked mean of log ratio) and its mean advantage, one
-            value for all its tokens (GSPO, arXiv 2507.18071; PipelineRL: rl_step, case "gspo", whose loss is
-            that times the sum of the sequence's token weights: what `weights` summed over its tokens gives; with
-            the "sequence_mean" normaliser it is TRL's `importance_sampling_level="sequence"`). PipelineRL adds
-            no KL penalty or entropy bonus to it; here they are added as to the others.
-    ratio_cap: the cap of the reinforce weight (paper: 5; PipelineRL's code caps at 1 + epsilon_high, 1.02 in
-        its conf/finetune/base.yaml). Unused by ppo_clip and gspo.
-    clip_eps: PPO's epsilon (below 1; above too unless clip_eps_high is given). Unused by reinforce.
-    clip_eps_high: the epsilon above 1 (None: clip_eps): a larger one lets unlikely tokens that did well
-        grow faster (DAPO's "clip-higher", arXiv 2503.14476, uses 0.28). Unused by reinforce.
+    num_sequences: sequences in the whole optimizer batch (not just this micro-batch); the loss is the token sum
+        divided by it (PipelineRL: tokens_weights = 1 / config.batch_size), so micro-batch losses add up.
+    kept: (B,) 1 on the rows in the loss, 0 on those left out (overlong filtering); None: all. A row left out is out
+        of `mask` (no gradient, no stats), but its sequence's reinforce weight is still over its tokens.
     ref_logprobs: (B, T) logprobs under a frozen reference policy, or None.
-    kl_coef: weight of the k3 penalty to the reference, subtracted from the per-token objective
-        (PipelineRL: loss = policy_loss - kl_coef * approx_kl); it carries gradients through
-        new_logprobs. Default 0 (PipelineRL's base.yaml; TRL's beta). ValueError if nonzero without ref_logprobs.
-    kl_clamp: the bound of the log ratio in the k3 penalty (`k3_kl`'s max_log_ratio; PipelineRL's
-        clamp_log_ratio_ref_new_value).
-    entropy: (B, T) entropy of each next-token distribution (carrying gradients), and entropy_coef its weight
-        added to the per-token objective (PipelineRL: loss = ... + entropy_bonus_coef * entropy). ValueError
-        if entropy_coef is nonzero without entropy.
-    importance_sampling: `reinforce_weights`'s mode. Only reinforce has one (ValueError otherwise).
-    weights: (B, T) `token_weights`, the weight of each token's objective in the loss: the loss is
-        -(objective * mask * weights).sum(); None: 1 / num_sequences.
+    entropy: (B, T) entropy of each next-token distribution (carrying gradients), for `settings.entropy_coef`.
+    weights: (B, T) `token_weights`, the weight of each token's objective in the loss; None: 1 / num_sequences.
 
-    ratio = exp(new_logprobs - behaviour_logprobs) per token.
-    loss = -(objective * mask).sum() / num_sequences (or -(objective * mask * weights).sum()), a 0-d tensor
-    carrying gradients.
-
-    stats: detached 0-d tensors; "masked mean" = mean over the mask-1 tokens of this micro-batch.
-        ratio/mean       masked mean of the raw (uncapped, unclipped) ratio pi/mu
-        ratio/max        max of the raw ratio over masked tokens (0 when none is masked)
-        ratio/clipfrac   fraction of masked tokens whose ratio was changed by the cap
-                         (reinforce: the weight is not the raw ratio; PipelineRL's
-                         clamp_log_ratio_new_old_indicator) or by the clip (ppo_clip, gspo: ratio outside
-                         [1 - clip_eps, 1 + clip_eps_high]), whether or not the min picked it
-        ess              effective_sample_size of the raw ratio over masked tokens
-        weight/mean      reinforce only: masked mean of the capped weight w, the ratio the loss applied
-                         (PipelineRL's reinforce logs this one as ratio_new_old; TRL's
-                         sampling/importance_sampling_ratio/mean)
-        weight/max       reinforce only: its max over masked tokens
-        weight/ess       reinforce only: effective_sample_size of w (PipelineRL's ESS, from ratio_new_old_sum
-                         and ratio_new_old_squared_sum)
-        logprob/new_mean masked mean of new_logprobs
-        kl/behaviour     masked mean of k3_kl(behaviour_logprobs, new_logprobs) =
-                         exp(n - b) - (n - b) - 1: the tokens were sampled from the behaviour
-                         policy, so this is the unbiased k3 estimate of KL(mu || pi)
-                         (PipelineRL's approx_kl_new_old, logged as kl_new_old)
-        kl/ref           masked mean of k3_kl(new_logprobs, ref_logprobs, kl_clamp), only when ref given
+    objective = the kind's (`POLICY_OBJECTIVES`) - kl_coef * k3_kl(new, ref) + entropy_coef * entropy, per token;
+    loss = -(objective * mask).sum() / num_sequences (or -(objective * mask * weights).sum()); a ValueError where
+    the tensors' shapes do not fit, or a coefficient lacks its tensor.
     """
-    if new_logprobs.shape != behaviour_logprobs.shape or new_logprobs.shape != mask.shape:
-        raise ValueError(
-            f"new_logprobs {tuple(new_logprobs.shape)}, behaviour_logprobs {tuple(behaviour_logprobs.shape)} "
-            f"and mask {tuple(mask.shape)} must have the same (B, T) shape"
-        )
-    if new_logprobs.dim() != 2:
-        raise ValueError(f"token tensors must be (B, T), got shape {tuple(new_logprobs.shape)}")
-    if advantages.dim() == 1:
-        if advantages.shape[0] != new_logprobs.shape[0]:
-            raise ValueError(
-                f"advantages {tuple(advantages.shape)} need one entry per row of {tuple(new_logprobs.shape)}"
-            )
-        advantages = advantages[:, None]  # (B, 1), broadcast over tokens
-    elif advantages.shape != new_logprobs.shape:
-        raise ValueError(
-            f"advantages must be (B,) or (B, T) = {tuple(new_logprobs.shape)}, got {tuple(advantages.shape)}"
-        )
-    if num_sequences < 1:
-        raise ValueError(f"num_sequences must be >= 1, got {num_sequences}")
-    if kl_coef != 0.0 and ref_logprobs is None:
-        raise ValueError(f"kl_coef = {kl_coef} needs ref_logprobs")
-    if ref_logprobs is not None and ref_logprobs.shape != new_logprobs.shape:
-        raise ValueError(
-            f"ref_logprobs {tuple(ref_logprobs.shape)} must match new_logprobs {tuple(new_logprobs.shape)}"
-        )
-    if entropy_coef != 0.0 and entropy is None:
-        raise ValueError(f"entropy_coef = {entropy_coef} needs entropy")
-    for name, tensor in (("entropy", entropy), ("weights", weights)):
-        if tensor is not None and tensor.shape != new_logprobs.shape:
-            raise ValueError(f"{name} {tuple(tensor.shape)} must match new_logprobs {tuple(new_logprobs.shape)}")
-    if loss_type != "reinforce" and importance_sampling != "token_truncate":
-        raise ValueError(f"importance_sampling {importance_sampling!r} is reinforce's; loss_type is {loss_type!r}")
-
-    m = mask.to(new_logprobs.dtype)
+    _check_inputs(
+        new_logprobs, advantages, num_sequences, settings, kept, behaviour_logprobs=behaviour_logprobs, mask=mask,
+        ref_logprobs=ref_logprobs, entropy=entropy, weights=weights,
+    )  # fmt: skip
+    sequence_mask = mask.to(new_logprobs.dtype)
+    m = sequence_mask if kept is None else sequence_mask * kept.to(new_logprobs.dtype)[:, None]
     adv = advantages.detach().to(new_logprobs.dtype)
     behaviour = behaviour_logprobs.detach()
     # PipelineRL: rl_step, ratio_new_old = exp(new_logprobs - old_logprobs)
-    ratio = torch.exp(new_logprobs - behaviour)  # (B, T)
-
-    weight = None
-    high = clip_eps if clip_eps_high is None else clip_eps_high
-    if loss_type == "reinforce":
-        # PipelineRL: pipelinerl/finetune/rl/__init__.py#L304-L309:
-        #   ratio_new_old = clamp(ratio_new_old, 0, 1 + epsilon_high)
-        #   policy_loss = new_logprobs * log_p_weights * ratio_new_old.detach()
-        # paper (arXiv 2509.19128): the importance weight pi / mu truncated at 5
-        if importance_sampling == "token_truncate":
-            weight, clipped = torch.clamp(ratio, 0.0, ratio_cap).detach(), ratio > ratio_cap
-        else:
-            weight, clipped = reinforce_weights(new_logprobs.detach() - behaviour, m, ratio_cap, importance_sampling)
-        objective = new_logprobs * adv * weight
-    elif loss_type == "ppo_clip":
-        # PipelineRL: rl_step, case "ppo"; ppo.py's clipped policy loss
-        # OAI: lm_human_preferences/train_policy.py#L350-L355
-        clamped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high)
-        objective = torch.minimum(ratio * adv, clamped * adv)
-        clipped = (ratio < 1.0 - clip_eps) | (ratio > 1.0 + high)
-    elif loss_type == "gspo":
-        # PipelineRL: pipelinerl/finetune/rl/__init__.py#L310-L348; TRL: trl/trainer/grpo_trainer.py#L3087
-        tokens = m.sum(dim=1, keepdim=True).clamp(min=1.0)
-        sequence_ratio = torch.exp(((new_logprobs - behaviour) * m).sum(dim=1, keepdim=True) / tokens)  # (B, 1)
-        sequence_adv = (adv.expand_as(m) * m).sum(dim=1, keepdim=True) / tokens
-        clamped = torch.clamp(sequence_ratio, 1.0 - clip_eps, 1.0 + high)
-        objective = torch.minimum(sequence_ratio * sequence_adv, clamped * sequence_adv).expand_as(m)
-        clipped = ((sequence_ratio < 1.0 - clip_eps) | (sequence_ratio > 1.0 + high)).expand_as(m)
-    else:
-        raise ValueError(f"unknown loss_type {loss_type!r}; expected 'reinforce', 'ppo_clip' or 'gspo'")
-
+    log_ratio = new_logprobs - behaviour
+    terms = TokenTerms(
+        new_logprobs, log_ratio, torch.exp(log_ratio), adv[:, None] if adv.dim() == 1 else adv, m, sequence_mask
+    )
+    objective, clipped, weight = POLICY_OBJECTIVES[settings.loss_type](terms, settings)
     kl_ref = None
     if ref_logprobs is not None:
-        kl_ref = k3_kl(new_logprobs, ref_logprobs.detach(), max_log_ratio=kl_clamp)
-        if kl_coef != 0.0:
+        kl_ref = k3_kl(new_logprobs, ref_logprobs.detach(), max_log_ratio=settings.kl_clamp)
+        if settings.kl_coef != 0.0:
             # PipelineRL: pipelinerl/finetune/rl/__init__.py#L359, loss = policy_loss - kl_coef * approx_kl
-            objective = objective - kl_coef * kl_ref
-    if entropy_coef != 0.0:
+            objective = objective - settings.kl_coef * kl_ref
+    if settings.entropy_coef != 0.0:
         # PipelineRL: pipelinerl/finetune/rl/__init__.py#L357, ... + entropy_bonus_coef * entropy
-        objective = objective + entropy_coef * entropy
-
+        objective = objective + settings.entropy_coef * entropy
     if weights is None:
         # PipelineRL: rl_step, loss * tokens_weights (1 / batch_size), summed over the masked tokens
         loss = -(objective * m).sum() / num_sequences
     else:
         loss = -(objective * m * weights.to(objective.dtype)).sum()
+    return PolicyLoss(loss, loss_stats(terms, behaviour, clipped, weight, kl_ref), terms.ratio.detach(), weight)
 
+
+def _check_inputs(
+    new_logprobs: Tensor,
+    advantages: Tensor,
+    num_sequences: int,
+    settings: LossSettings,
+    kept: Tensor | None,
+    **tokens: Tensor | None,
+) -> None:
+    """ValueError unless `policy_loss`'s inputs fit together: `tokens` (B, T) like new_logprobs (or None), one
+    advantage per row or per token, one `kept` per row, a tensor for each nonzero coefficient."""
+    if new_logprobs.dim() != 2:
+        raise ValueError(f"token tensors must be (B, T), got shape {tuple(new_logprobs.shape)}")
+    for name, tensor in tokens.items():
+        if tensor is not None and tensor.shape != new_logprobs.shape:
+            raise ValueError(f"{name} {tuple(tensor.shape)} must match new_logprobs {tuple(new_logprobs.shape)}")
+    if advantages.shape not in (new_logprobs.shape[:1], new_logprobs.shape):
+        raise ValueError(
+            f"advantages must be (B,) or (B, T) = {tuple(new_logprobs.shape)}, got {tuple(advantages.shape)}"
+        )
+    if kept is not None and kept.shape != new_logprobs.shape[:1]:
+        raise ValueError(f"kept {tuple(kept.shape)} needs one entry per row of {tuple(new_logprobs.shape)}")
+    if num_sequences < 1:
+        raise ValueError(f"num_sequences must be >= 1, got {num_sequences}")
+    if settings.kl_coef != 0.0 and tokens["ref_logprobs"] is None:
+        raise ValueError(f"kl_coef = {settings.kl_coef} needs ref_logprobs")
+    if settings.entropy_coef != 0.0 and tokens["entropy"] is None:
+        raise ValueError(f"entropy_coef = {settings.entropy_coef} needs entropy")
+
+
+def loss_stats(
+    terms: TokenTerms, behaviour: Tensor, clipped: Tensor, weight: Tensor | None, kl_ref: Tensor | None
+) -> dict[str, Tensor]:
+    """`policy_loss`'s stats: detached 0-d tensors; "masked mean" = mean over the mask-1 tokens of this micro-batch.
+    ratio/mean       masked mean of the raw (uncapped, unclipped) ratio pi/mu
+    ratio/max        max of the raw ratio over masked tokens (0 when none is masked)
+    ratio/clipfrac   fraction of masked tokens whose ratio was changed by the cap
+                     (reinforce: the weight is not the raw ratio; PipelineRL's
+                     clamp_log_ratio_new_old_indicator) or by the clip (ppo_clip, gspo: ratio outside
+                     [1 - clip_eps, 1 + clip_eps_high]), whether or not the min picked it
+    ess              effective_sample_size of the raw ratio over masked tokens
+    weight/mean      reinforce only: masked mean of the capped weight w, the ratio the loss applied
+                     (PipelineRL's reinforce logs this one as ratio_new_old; TRL's
+                     sampling/importance_sampling_ratio/mean)
+    weight/max       reinforce only: its max over masked tokens
+    weight/ess       reinforce only: effective_sample_size of w (PipelineRL's ESS, from ratio_new_old_sum
+                     and ratio_new_old_squared_sum)
+    logprob/new_mean masked mean of new_logprobs
+    kl/behaviour     masked mean of k3_kl(behaviour_logprobs, new_logprobs) =
+                     exp(n - b) - (n - b) - 1: the tokens were sampled from the behaviour
+                     policy, so this is the unbiased k3 estimate of KL(mu || pi)
+                     (PipelineRL's approx_kl_new_old, logged as kl_new_old)
+    kl/ref           masked mean of k3_kl(new_logprobs, ref_logprobs, kl_clamp), only when ref given
+    """
     with torch.no_grad():
-        r = ratio.detach()
+        m, r, new = terms.mask, terms.ratio.detach(), terms.new_logprobs.detach()
         stats = {
             "ratio/mean": _masked_mean(r, m),
             "ratio/max": torch.where(m > 0, r, torch.zeros_like(r)).max(),
             "ratio/clipfrac": _masked_mean(clipped.to(r.dtype), m),
             "ess": effective_sample_size(r, m),
-            "logprob/new_mean": _masked_mean(new_logprobs.detach(), m),
-            "kl/behaviour": _masked_mean(k3_kl(behaviour, new_logprobs.detach()), m),
+            "logprob/new_mean": _masked_mean(new, m),
+            "kl/behaviour": _masked_mean(k3_kl(behaviour, new), m),
         }
         if weight is not None:
             stats["weight/mean"] = _masked_mean(weight, m)
@@ -424,4 +508,4 @@ def policy_loss(
             stats["weight/ess"] = effective_sample_size(weight, m)
         if kl_ref is not None:
             stats["kl/ref"] = _masked_mean(kl_ref.detach(), m)
-    return loss, stats
+    return stats

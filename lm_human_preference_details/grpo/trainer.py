@@ -51,11 +51,11 @@ from lm_human_preference_details.grpo.client import check_serving
 from lm_human_preference_details.grpo.config import PRESETS, GRPOArgs, get_preset
 from lm_human_preference_details.grpo.lifetime import exit_now
 from lm_human_preference_details.grpo.loss import (
+    LossSettings,
     group_advantages,
     linear_decay,
     policy_loss,
     policy_weights,
-    reinforce_weights,
     token_weights,
 )
 from lm_human_preference_details.grpo.records import Attempt, Group
@@ -188,14 +188,20 @@ def flatten_groups(groups: list[Group]) -> list[Attempt]:
     return [attempt for g in groups for attempt in g.attempts]
 
 
-def coefficients(args: GRPOArgs, step: int) -> tuple[float, float]:
-    """The KL coefficient and the entropy bonus of the step after `step` completed ones: each goes linearly from
-    its value to its `_final` one (None: it stays) over the run's steps, as PipelineRL's schedules do."""
+def loss_settings(args: GRPOArgs, step: int) -> LossSettings:
+    """The loss's settings for the step after `step` completed ones: the KL coefficient and the entropy bonus each go
+    linearly from its value to its `_final` one (None: it stays) over the run's steps, as PipelineRL's schedules do."""
     kl_final = args.kl_coef if args.kl_coef_final is None else args.kl_coef_final
     entropy_final = args.entropy_coef if args.entropy_coef_final is None else args.entropy_coef_final
-    return (
-        linear_decay(step, args.steps, args.kl_coef, kl_final),
-        linear_decay(step, args.steps, args.entropy_coef, entropy_final),
+    return LossSettings(
+        loss_type=args.loss_type,
+        ratio_cap=args.ratio_cap,
+        importance_sampling=args.importance_sampling,
+        clip_eps=args.clip_eps,
+        clip_eps_high=args.clip_eps_high,
+        kl_coef=linear_decay(step, args.steps, args.kl_coef, kl_final),
+        kl_clamp=args.kl_clamp,
+        entropy_coef=linear_decay(step, args.steps, args.entropy_coef, entropy_final),
     )
 
 
@@ -244,7 +250,7 @@ def accumulate_gradients(
     num_sequences = len(rewards)
     rows = {k: v.to(model.device) for k, v in loss_rows(groups, args, rewards).items()}
     kept_tokens = sum(len(s.completion_ids) for s, k in zip(flatten_groups(groups), rows["kept"].tolist()) if k)
-    kl_coef, entropy_coef = coefficients(args, step)
+    settings = loss_settings(args, step)
     micro_batches = pack(groups, args.token_budget)
     mine = micro_batches[rank::processes]
     passes = -(-len(micro_batches) // processes)
@@ -266,28 +272,23 @@ def accumulate_gradients(
             accelerator.autocast() if accelerator else contextlib.nullcontext(),  # the reference's forward too
         ):
             new_logprobs, entropy = token_logprobs(
-                model, batch, args.temperature, vocab_size, entropy_grad=entropy_coef != 0
+                model, batch, args.temperature, vocab_size, entropy_grad=settings.entropy_coef != 0
             )
             ref_logprobs = (
                 token_logprobs(reference, batch, args.temperature, vocab_size)[0].detach() if reference else None
             )
-            mask = batch["mask"] * rows["kept"][batch["rows"], None]
-            loss, stats = policy_loss(
+            kept = rows["kept"][batch["rows"]]
+            mask = batch["mask"] * kept[:, None]
+            out = policy_loss(
                 new_logprobs,
                 batch["behaviour"],
                 rows["policy_weights"][batch["rows"]],
-                mask,
-                num_sequences=num_sequences,
-                loss_type=args.loss_type,
-                ratio_cap=args.ratio_cap,
-                clip_eps=args.clip_eps,
-                clip_eps_high=args.clip_eps_high,
+                batch["mask"],
+                num_sequences,
+                settings,
+                kept=kept,
                 ref_logprobs=ref_logprobs,
-                kl_coef=kl_coef,
-                kl_clamp=args.kl_clamp,
                 entropy=entropy,
-                entropy_coef=entropy_coef,
-                importance_sampling=args.importance_sampling,
                 weights=None
                 if args.loss_normalizer == "sequences"
                 else token_weights(
@@ -300,22 +301,18 @@ def accumulate_gradients(
                 ),
             )
             # FSDP2 averages the processes' gradients, and the step's is their sum
-            (loss * (share * processes) if processes > 1 else loss).backward()
+            (out.loss * (share * processes) if processes > 1 else out.loss).backward()
         n = float(mask.sum()) * share
-        for k, v in stats.items():  # token-weighted means over the micro-batches
+        for k, v in out.stats.items():  # token-weighted means over the micro-batches
             add(sums, f"stat:{k}", float(v) * n)
         add(sums, "entropy", float((entropy.detach() * batch["mask"]).sum()) * share)
         add(sums, "tokens", float(batch["mask"].sum()) * share)
         add(sums, "tokens_in_loss", n)
         on_tokens = batch["mask"].bool()
-        log_ratio = new_logprobs.detach() - batch["behaviour"]
-        weights = {"ratio": log_ratio.exp()[on_tokens]}
-        if args.loss_type == "reinforce":
-            weights["weight"] = reinforce_weights(log_ratio, batch["mask"], args.ratio_cap, args.importance_sampling)[
-                0
-            ][on_tokens]
-        for name, w in weights.items():
-            w = w.double()
+        for name, w in {"ratio": out.ratio, "weight": out.weight}.items():
+            if w is None:  # the capped weight is reinforce's
+                continue
+            w = w[on_tokens].double()
             add(sums, f"{name}:sum", float(w.sum()) * share)
             add(sums, f"{name}:squares", float(w.square().sum()) * share)
             add(sums, f"{name}:count", w.numel() * share)
@@ -333,8 +330,8 @@ def accumulate_gradients(
         # a batch all cut by overlong filtering: 0
         **{k[len("stat:") :]: v / max(sums["tokens_in_loss"], 1.0) for k, v in sums.items() if k.startswith("stat:")},
         "entropy": sums["entropy"] / sums["tokens"],
-        "kl/coef": kl_coef,
-        "entropy/coef": entropy_coef,
+        "kl/coef": settings.kl_coef,
+        "entropy/coef": settings.entropy_coef,
         **batch_wide,
     }
 

@@ -165,7 +165,7 @@ def test_reinforce_gradient_is_capped_ratio_times_advantage():
     behaviour = t([[-1.2, -4.0, -0.5], [0.2, -1.7, -2.9]])
     adv = t([2.0, -1.5])
     mask = t([[1, 1, 0], [1, 1, 1]])
-    loss, _ = gl.policy_loss(new, behaviour, adv, mask, num_sequences=3, ratio_cap=5.0)
+    loss = gl.policy_loss(new, behaviour, adv, mask, num_sequences=3, settings=gl.LossSettings(ratio_cap=5.0)).loss
     loss.backward()
     ratio = (new.detach() - behaviour).exp()
     assert ratio[0, 0] < 5 and ratio[0, 1] > 5 and ratio[1, 2] > 5
@@ -188,7 +188,7 @@ def test_reinforce_gradient_through_a_policy():
     behaviour = logp.detach() + torch.randn(B, T, generator=g, dtype=F64)  # some ratios above 5
     adv = t([1.0, -0.5, 2.0])
     mask = t([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
-    loss, _ = gl.policy_loss(logp, behaviour, adv, mask, num_sequences=N)
+    loss = gl.policy_loss(logp, behaviour, adv, mask, num_sequences=N).loss
     (grad,) = torch.autograd.grad(loss, logits, retain_graph=True)
 
     w = torch.clamp((logp.detach() - behaviour).exp(), max=5.0)
@@ -210,7 +210,7 @@ def test_on_policy_reinforce_is_plain_reinforce():
     logp = torch.log_softmax(logits, -1).gather(-1, tokens[..., None])[..., 0]
     adv = t([1.0, -1.0, 0.5, 2.0])
     mask = t([[1, 1, 1], [1, 0, 0], [1, 1, 0], [0, 1, 1]])
-    loss, stats = gl.policy_loss(logp, logp.detach(), adv, mask, num_sequences=B)
+    loss, stats, *_ = gl.policy_loss(logp, logp.detach(), adv, mask, num_sequences=B)
     plain = -(logp * adv[:, None] * mask).sum() / B
     torch.testing.assert_close(loss, plain)
     g1 = torch.autograd.grad(loss, logits, retain_graph=True)[0]
@@ -226,7 +226,8 @@ def test_ppo_clip_zero_gradient_outside_clip_range_in_favourable_direction():
     behaviour = t([[-1.0], [-2.0], [-0.5], [-3.0]])
     new = (behaviour + ratios.log()[:, None]).requires_grad_()
     adv = t([1.0, -1.0, 1.0, 1.0])
-    loss, stats = gl.policy_loss(new, behaviour, adv, torch.ones(4, 1), 4, loss_type="ppo_clip", clip_eps=0.2)
+    settings = gl.LossSettings(loss_type="ppo_clip", clip_eps=0.2)
+    loss, stats, *_ = gl.policy_loss(new, behaviour, adv, torch.ones(4, 1), 4, settings)
     loss.backward()
     # row 0: ratio above 1 + eps with A > 0 -> clipped, no gradient
     # row 1: ratio below 1 - eps with A < 0 -> clipped, no gradient
@@ -249,9 +250,8 @@ def test_ppo_clip_with_a_higher_upper_epsilon_lets_favourable_ratios_grow_furthe
     grads = {}
     for high in (None, 0.28):
         new = (behaviour + ratios.log()[:, None]).requires_grad_()
-        loss, stats = gl.policy_loss(
-            new, behaviour, adv, torch.ones(2, 1), 2, loss_type="ppo_clip", clip_eps=0.2, clip_eps_high=high
-        )
+        settings = gl.LossSettings(loss_type="ppo_clip", clip_eps=0.2, clip_eps_high=high)
+        loss, stats, *_ = gl.policy_loss(new, behaviour, adv, torch.ones(2, 1), 2, settings)
         loss.backward()
         grads[high] = (new.grad, stats["ratio/clipfrac"].item())
     torch.testing.assert_close(grads[None][0], t([[0.0], [0.0]]))  # both clipped in their favourable direction
@@ -266,7 +266,7 @@ def test_kl_penalty_gradient():
     adv = t([1.0, -2.0])
     mask = t([[1, 1], [1, 0]])
     beta, N = 0.3, 2
-    loss, stats = gl.policy_loss(new, behaviour, adv, mask, N, ref_logprobs=ref, kl_coef=beta)
+    loss, stats, *_ = gl.policy_loss(new, behaviour, adv, mask, N, gl.LossSettings(kl_coef=beta), ref_logprobs=ref)
     loss.backward()
     # d/dnew of +beta * k3 = beta * (1 - exp(ref - new))
     expected = (-adv[:, None] + beta * (1 - (ref - new.detach()).exp())) * mask / N
@@ -278,13 +278,13 @@ def test_kl_penalty_gradient():
 def test_kl_coef_without_reference_is_an_error():
     x = torch.zeros(1, 2)
     with pytest.raises(ValueError, match="ref_logprobs"):
-        gl.policy_loss(x, x, torch.zeros(1), torch.ones(1, 2), 1, kl_coef=0.1)
+        gl.policy_loss(x, x, torch.zeros(1), torch.ones(1, 2), 1, gl.LossSettings(kl_coef=0.1))
     with pytest.raises(ValueError, match="loss_type"):
-        gl.policy_loss(x, x, torch.zeros(1), torch.ones(1, 2), 1, loss_type="dpo")
+        gl.policy_loss(x, x, torch.zeros(1), torch.ones(1, 2), 1, gl.LossSettings(loss_type="dpo"))
     # a reference with kl_coef 0 is only logged: the loss is unchanged
     ref = torch.full((1, 2), -1.0)
-    a, _ = gl.policy_loss(x, x, torch.ones(1), torch.ones(1, 2), 1)
-    b, stats = gl.policy_loss(x, x, torch.ones(1), torch.ones(1, 2), 1, ref_logprobs=ref)
+    a = gl.policy_loss(x, x, torch.ones(1), torch.ones(1, 2), 1).loss
+    b, stats, *_ = gl.policy_loss(x, x, torch.ones(1), torch.ones(1, 2), 1, ref_logprobs=ref)
     assert a.item() == b.item() and "kl/ref" in stats
     assert "kl/ref" not in gl.policy_loss(x, x, torch.ones(1), torch.ones(1, 2), 1)[1]
 
@@ -303,12 +303,12 @@ def _random_batch(seed, B=6, T=5):
 @pytest.mark.parametrize("loss_type", ["reinforce", "ppo_clip"])
 def test_micro_batches_sum_to_the_full_batch_loss(loss_type):
     new, behaviour, ref, adv, mask = _random_batch(5)
-    kw = dict(loss_type=loss_type, ref_logprobs=None, kl_coef=0.0)
 
     def run(rows, with_ref):
         x = new[rows].clone().requires_grad_()
-        extra = dict(ref_logprobs=ref[rows], kl_coef=0.1) if with_ref else {}
-        loss, _ = gl.policy_loss(x, behaviour[rows], adv[rows], mask[rows], 6, **{**kw, **extra})
+        settings = gl.LossSettings(loss_type=loss_type, kl_coef=0.1 if with_ref else 0.0)
+        reference = ref[rows] if with_ref else None
+        loss = gl.policy_loss(x, behaviour[rows], adv[rows], mask[rows], 6, settings, ref_logprobs=reference).loss
         loss.backward()
         return loss, x.grad
 
@@ -319,8 +319,9 @@ def test_micro_batches_sum_to_the_full_batch_loss(loss_type):
         torch.testing.assert_close(a + b, full)
         torch.testing.assert_close(torch.cat([g_a, g_b]), g_full)
         # dividing by the micro-batch's own size instead would not add up
-        a_own, _ = gl.policy_loss(new[:2], behaviour[:2], adv[:2], mask[:2], 2, loss_type=loss_type)
-        b_own, _ = gl.policy_loss(new[2:], behaviour[2:], adv[2:], mask[2:], 4, loss_type=loss_type)
+        settings = gl.LossSettings(loss_type=loss_type)
+        a_own = gl.policy_loss(new[:2], behaviour[:2], adv[:2], mask[:2], 2, settings).loss
+        b_own = gl.policy_loss(new[2:], behaviour[2:], adv[2:], mask[2:], 4, settings).loss
         if not with_ref:
             assert abs((a_own + b_own - full).item()) > 1e-3
 
@@ -330,8 +331,8 @@ def test_mask_excludes_tokens(loss_type):
     new, behaviour, ref, adv, mask = _random_batch(6)
     mask[0, 0], mask[0, 1] = 0.0, 1.0
     new = new.clone().requires_grad_()
-    kw = dict(loss_type=loss_type, kl_coef=0.2)
-    loss, stats = gl.policy_loss(new, behaviour, adv, mask, 6, ref_logprobs=ref, **kw)
+    settings = gl.LossSettings(loss_type=loss_type, kl_coef=0.2)
+    loss, stats, *_ = gl.policy_loss(new, behaviour, adv, mask, 6, settings, ref_logprobs=ref)
     loss.backward()
     assert torch.all(new.grad[mask == 0] == 0)
     assert torch.any(new.grad[mask == 1] != 0)
@@ -341,20 +342,20 @@ def test_mask_excludes_tokens(loss_type):
     new2 = torch.where(off, new.detach() + 20.0, new.detach())
     behaviour2 = torch.where(off, behaviour - 30.0, behaviour)
     ref2 = torch.where(off, ref - 40.0, ref)
-    loss2, stats2 = gl.policy_loss(new2, behaviour2, adv, mask, 6, ref_logprobs=ref2, **kw)
+    loss2, stats2, *_ = gl.policy_loss(new2, behaviour2, adv, mask, 6, settings, ref_logprobs=ref2)
     torch.testing.assert_close(loss2, loss.detach())
     for k in stats:
         torch.testing.assert_close(stats2[k], stats[k], msg=k)
 
     # a bool mask is the same as a float one
-    loss3, _ = gl.policy_loss(new.detach(), behaviour, adv, mask.bool(), 6, ref_logprobs=ref, **kw)
+    loss3 = gl.policy_loss(new.detach(), behaviour, adv, mask.bool(), 6, settings, ref_logprobs=ref).loss
     torch.testing.assert_close(loss3, loss.detach())
 
 
 def test_per_token_advantages_match_broadcast_per_sequence_ones():
     new, behaviour, _, adv, mask = _random_batch(7)
-    a, _ = gl.policy_loss(new, behaviour, adv, mask, 6)
-    b, _ = gl.policy_loss(new, behaviour, adv[:, None].expand_as(new), mask, 6)
+    a = gl.policy_loss(new, behaviour, adv, mask, 6).loss
+    b = gl.policy_loss(new, behaviour, adv[:, None].expand_as(new), mask, 6).loss
     torch.testing.assert_close(a, b)
     with pytest.raises(ValueError, match="advantages"):
         gl.policy_loss(new, behaviour, adv[:3], mask, 6)
@@ -375,7 +376,7 @@ def _hand_case():
 
 def test_stats_on_a_hand_case():
     new, behaviour, ref, mask, adv = _hand_case()
-    loss, s = gl.policy_loss(new, behaviour, adv, mask, 4, ratio_cap=5.0, ref_logprobs=ref)
+    loss, s, *_ = gl.policy_loss(new, behaviour, adv, mask, 4, gl.LossSettings(ratio_cap=5.0), ref_logprobs=ref)
     assert set(s) == {
         "ratio/mean", "ratio/max", "ratio/clipfrac", "ess", "logprob/new_mean", "kl/behaviour", "kl/ref",
         "weight/mean", "weight/max", "weight/ess",
@@ -396,13 +397,13 @@ def test_stats_on_a_hand_case():
     assert s["kl/ref"].item() == pytest.approx(1 / 6)
     # loss: objective new * A * min(r, 5) = -1*1*1 - 2*1*2 - 0.5*2*5 = -10; loss = 10 / 4
     assert loss.item() == pytest.approx(2.5)
-    loss_kl, _ = gl.policy_loss(new, behaviour, adv, mask, 4, ref_logprobs=ref, kl_coef=0.5)
+    loss_kl = gl.policy_loss(new, behaviour, adv, mask, 4, gl.LossSettings(kl_coef=0.5), ref_logprobs=ref).loss
     assert loss_kl.item() == pytest.approx((10 + 0.5 * 0.5) / 4)  # k3 sum is 0.5
 
 
 def test_ppo_clip_stats_and_loss_on_the_hand_case():
     new, behaviour, _, mask, adv = _hand_case()
-    loss, s = gl.policy_loss(new, behaviour, adv, mask, 4, loss_type="ppo_clip", clip_eps=0.2)
+    loss, s, *_ = gl.policy_loss(new, behaviour, adv, mask, 4, gl.LossSettings(loss_type="ppo_clip", clip_eps=0.2))
     assert s["ratio/clipfrac"].item() == pytest.approx(2 / 3)  # 2 and 8 are outside [0.8, 1.2]
     assert "kl/ref" not in s
     # min(1, 1) + min(2, 1.2) * 1 + min(8 * 2, 1.2 * 2) = 1 + 1.2 + 2.4 = 4.6
@@ -510,7 +511,7 @@ def test_token_weights_match_the_peers_normalisers_and_micro_batches_add_up(norm
                 expected = 1 / group_tokens[b].item()
             assert weights[b, k].item() == pytest.approx(expected, rel=1e-12)
     # the batch's counts in each micro-batch: the micro-batch losses add up to the batch's
-    whole, _ = gl.policy_loss(new, behaviour, adv, mask, B, weights=weights)
+    whole = gl.policy_loss(new, behaviour, adv, mask, B, weights=weights).loss
     parts = sum(
         gl.policy_loss(
             new[rows],
@@ -556,10 +557,10 @@ def test_reinforce_with_every_pipelinerl_option_matches_a_loop_of_its_rl_step():
     weights = gl.token_weights(mask, "group_tokens", 5, group_tokens=group_tokens)
     log_p_weights = gl.policy_weights(adv, adv, relu=True)
     ours_new, ours_entropy = new.clone().requires_grad_(), entropy.clone().requires_grad_()
-    loss, _ = gl.policy_loss(
-        ours_new, behaviour, log_p_weights, mask, 5, ratio_cap=1.02, ref_logprobs=ref, kl_coef=0.3,
-        kl_clamp=5.0, entropy=ours_entropy, entropy_coef=0.01, weights=weights,
-    )  # fmt: skip
+    settings = gl.LossSettings(ratio_cap=1.02, kl_coef=0.3, kl_clamp=5.0, entropy_coef=0.01)
+    loss = gl.policy_loss(
+        ours_new, behaviour, log_p_weights, mask, 5, settings, ref_logprobs=ref, entropy=ours_entropy, weights=weights
+    ).loss
     loss.backward()
     loop_new, loop_entropy = new.clone().requires_grad_(), entropy.clone().requires_grad_()
     expected = sum(
@@ -583,7 +584,8 @@ def test_gspo_matches_a_loop_of_pipelinerls_gspo_case():
     advantage, clipped with epsilon_low and epsilon_high, times the sum of its token weights."""
     new, behaviour, _, adv, mask = _rows()
     ours_new = new.clone().requires_grad_()
-    loss, stats = gl.policy_loss(ours_new, behaviour, adv, mask, 5, loss_type="gspo", clip_eps=0.1, clip_eps_high=0.2)
+    settings = gl.LossSettings(loss_type="gspo", clip_eps=0.1, clip_eps_high=0.2)
+    loss, stats, *_ = gl.policy_loss(ours_new, behaviour, adv, mask, 5, settings)
     loss.backward()
     loop_new = new.clone().requires_grad_()
     expected, clipped_tokens = 0.0, 0
@@ -624,18 +626,19 @@ def test_reinforce_weights_match_trls_truncated_importance_sampling(mode):
     assert 0 < (capped * mask).sum() < mask.sum()
     # the loss's gradient is that weight times the advantage (and its stats say so)
     ours_new = (behaviour + log_ratio).clone().requires_grad_()
-    loss, stats = gl.policy_loss(ours_new, behaviour, adv, mask, 5, ratio_cap=1.3, importance_sampling=mode)
+    settings = gl.LossSettings(ratio_cap=1.3, importance_sampling=mode)
+    loss, stats, *_ = gl.policy_loss(ours_new, behaviour, adv, mask, 5, settings)
     loss.backward()
     torch.testing.assert_close(ours_new.grad, -expected * adv[:, None] * mask / 5, rtol=1e-12, atol=1e-12)
     assert stats["weight/max"].item() == pytest.approx((expected * mask).max().item())
     with pytest.raises(ValueError, match="reinforce"):
-        gl.policy_loss(ours_new, behaviour, adv, mask, 5, loss_type="ppo_clip", importance_sampling="token_mask")
+        gl.policy_loss(ours_new, behaviour, adv, mask, 5, gl.LossSettings("ppo_clip", importance_sampling="token_mask"))
 
 
 def test_entropy_coef_without_entropy_is_an_error():
     x = torch.zeros(1, 2)
     with pytest.raises(ValueError, match="needs entropy"):
-        gl.policy_loss(x, x, torch.zeros(1), torch.ones(1, 2), 1, entropy_coef=0.1)
+        gl.policy_loss(x, x, torch.zeros(1), torch.ones(1, 2), 1, gl.LossSettings(entropy_coef=0.1))
 
 
 # ----------------------------------------------------------------------------- TRL's GRPOTrainer itself
@@ -715,18 +718,18 @@ def test_our_losses_are_trls_on_the_same_inputs():
     base |= dict(importance_sampling_level="token", epsilon=0.2, epsilon_high=0.28, beta=0.0, max_completion_length=8)
     for loss_type, normalizer in TRL_NORMALISERS.items():  # PPO-clip against older logprobs, with a KL penalty
         cases.append(base | dict(loss_type=loss_type, old=behaviour.tolist(), ref=ref.tolist(), beta=0.04))
-        options = dict(loss_type="ppo_clip", clip_eps=0.2, clip_eps_high=0.28, ref_logprobs=ref, kl_coef=0.04)
-        ours.append((normalizer, options))
+        ours.append((normalizer, gl.LossSettings("ppo_clip", clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.04)))
     for mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"):  # TIS at cap 1.3
         is_ratio = trl_importance_weights(log_ratio, mask, mode, 1.3)
         cases.append(base | dict(loss_type="dapo", old=None, is_ratio=is_ratio))
-        ours.append(("tokens", dict(ratio_cap=1.3, importance_sampling=mode)))
+        ours.append(("tokens", gl.LossSettings(ratio_cap=1.3, importance_sampling=mode)))
     cases.append(base | dict(loss_type="grpo", importance_sampling_level="sequence", old=behaviour.tolist()))
-    ours.append(("sequence_mean", dict(loss_type="gspo", clip_eps=0.2, clip_eps_high=0.28)))
-    for (normalizer, options), case, trl in zip(ours, cases, run_trl(cases)):
+    ours.append(("sequence_mean", gl.LossSettings("gspo", clip_eps=0.2, clip_eps_high=0.28)))
+    for (normalizer, settings), case, trl in zip(ours, cases, run_trl(cases)):
         ours_new = new.clone().requires_grad_()
         weights = gl.token_weights(mask, normalizer, B, num_tokens=int(mask.sum()), max_tokens=8)
-        loss, _ = gl.policy_loss(ours_new, behaviour, adv, mask, B, weights=weights, **options)
+        reference = ref if settings.kl_coef else None
+        loss = gl.policy_loss(ours_new, behaviour, adv, mask, B, settings, ref_logprobs=reference, weights=weights).loss
         loss.backward()
         torch.testing.assert_close(ours_new.grad, t(trl["grad"]), rtol=1e-10, atol=1e-12, msg=str(case["loss_type"]))
         if case["is_ratio"] is None:  # TRL's objective is ratio * A, ours for reinforce log pi * w * A: same gradient

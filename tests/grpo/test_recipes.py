@@ -183,18 +183,17 @@ def test_the_tiny_preset_learns_under_every_recipe(tmp_path, recipe):
 
 
 def test_every_loss_option_the_flags_offer_is_one_the_loss_implements():
-    """The flags' choices (grpo/loss_options.py's names) each run through the loss: a loss type, an
-    importance-sampling mode, a normaliser, a baseline and a std are accepted."""
+    """The flags' choices (grpo/loss_options.py's names) each run through the loss: a loss type is a function of
+    the loss's registry, an importance-sampling mode, a normaliser, a baseline and a std are accepted."""
     from typing import get_args, get_type_hints
 
     from lm_human_preference_details.grpo import loss
 
     choices = {name: get_args(hint) for name, hint in get_type_hints(GRPOArgs).items()}
+    assert set(choices["loss_type"]) == set(loss.POLICY_OBJECTIVES)
     x, mask = torch.zeros(1, 2), torch.ones(1, 2)
-    for loss_type in choices["loss_type"]:
-        loss.policy_loss(x, x, torch.ones(1), mask, 1, loss_type=loss_type)
     for mode in choices["importance_sampling"]:
-        loss.policy_loss(x, x, torch.ones(1), mask, 1, importance_sampling=mode)
+        loss.policy_loss(x, x, torch.ones(1), mask, 1, loss.LossSettings(importance_sampling=mode))
     for normalizer in choices["loss_normalizer"]:
         loss.token_weights(mask, normalizer, 1, num_tokens=2, max_tokens=2, group_tokens=torch.ones(1))
     for baseline in choices["baseline"]:

@@ -15,6 +15,7 @@
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -146,6 +147,35 @@ def reference_reward_stats(
     return float(mean), float(torch.sqrt(sums[1] / sums[2] - mean**2))
 
 
+def reference_reward_measure(
+    args: Args, reward_model, ref_lm, tokenizer, accelerator, hooks: StageHooks
+) -> Callable[[int | None], tuple[float, float]]:
+    """`normalize`'s measure: `reference_reward_stats` of a number of samples (None: `normalize_samples`), from a
+    query stream of its own (`hooks.query_sampler`) and responses that `hooks.sample` draws."""
+    sampler = hooks.query_sampler(
+        args.task,
+        tokenizer,
+        batch_size=args.rollout_batch_size // accelerator.num_processes,
+        seed=args.task.query_seed,
+        rank=accelerator.process_index,
+        world_size=accelerator.num_processes,
+    )
+
+    def measure(num_samples: int | None) -> tuple[float, float]:
+        return reference_reward_stats(
+            reward_model,
+            ref_lm,
+            sampler,
+            args.task,
+            tokenizer,
+            num_samples or args.normalize_samples,
+            accelerator,
+            hooks.sample,
+        )
+
+    return measure
+
+
 def normalize(reward_model, measure, debug_samples: int, tracker: Tracker, step: int, when: str, accelerator) -> None:
     """gain, bias := 1, 0; measure; set gain and bias to map the measured N(mean, std) to N(0, 1).
 
@@ -218,6 +248,17 @@ def accuracy(reward_model, labels: Labels, pad_id: int, batch_size: int, acceler
     return float(counts[0] / counts[1])
 
 
+def initial_reward_model(args: Args, accelerator: Accelerator) -> RewardModel:
+    """The reward model to train, on the accelerator's device; the RNG is then seeded for this process."""
+    # every process builds the same reward head, as OAI's rank 0 broadcasts its initial weights (`sync_models`
+    # before training); then each its own stream
+    # OAI: lm_human_preferences/train_reward.py#L317-L324
+    set_seed(args.seed)
+    reward_model = RewardModel.from_pretrained_lm(args.task.base_model).to(accelerator.device)
+    set_seed(args.seed + accelerator.process_index * 100003)  # OAI: lm_human_preferences/utils/core.py#L108-L111
+    return reward_model
+
+
 def train(args: Args, accelerator: Accelerator, hooks: StageHooks | None = None) -> str:
     """Run stage 1; returns the folder of the trained reward model.
 
@@ -227,12 +268,7 @@ def train(args: Args, accelerator: Accelerator, hooks: StageHooks | None = None)
     hooks = hooks or StageHooks()
     validate(args, accelerator.num_processes)
     precision.check_accelerator(accelerator, args.mixed_precision)
-    # every process builds the same reward head, as OAI's rank 0 broadcasts its initial weights (`sync_models`
-    # before training); then each its own stream
-    # OAI: lm_human_preferences/train_reward.py#L317-L324
-    set_seed(args.seed)
-    reward_model = RewardModel.from_pretrained_lm(args.task.base_model).to(accelerator.device)
-    set_seed(args.seed + accelerator.process_index * 100003)  # OAI: lm_human_preferences/utils/core.py#L108-L111
+    reward_model = initial_reward_model(args, accelerator)
     tokenizer = load_tokenizer(args.task.base_model)
     tasks.check_truncate_token(args.task, len(tokenizer))  # before the run's files and wandb run exist
     tracker = Tracker.for_run(args, "reward", accelerator)
@@ -242,27 +278,7 @@ def train(args: Args, accelerator: Accelerator, hooks: StageHooks | None = None)
     labels = obtain_labels(args, tokenizer, ref_lm, accelerator)
     train_labels = labels[: args.labels.num_train]
     test_labels = labels[args.labels.num_train : args.labels.num_train + args.labels.num_test]
-    sampler = hooks.query_sampler(
-        args.task,
-        tokenizer,
-        batch_size=args.rollout_batch_size // accelerator.num_processes,
-        seed=args.task.query_seed,
-        rank=accelerator.process_index,
-        world_size=accelerator.num_processes,
-    )
-
-    def measure(num_samples):
-        return reference_reward_stats(
-            reward_model,
-            ref_lm,
-            sampler,
-            args.task,
-            tokenizer,
-            num_samples or args.normalize_samples,
-            accelerator,
-            hooks.sample,
-        )
-
+    measure = reference_reward_measure(args, reward_model, ref_lm, tokenizer, accelerator, hooks)
     if args.normalize_before:  # OAI: lm_human_preferences/train_reward.py#L232-L234
         normalize(reward_model, measure, args.debug_normalize, tracker, 0, "before", accelerator)
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from lm_human_preference_details import sharding
+from lm_human_preference_details.assets import resolve_model_path
 from lm_human_preference_details.cli import UserError
 from lm_human_preference_details.models import RewardModel
 from lm_human_preference_details.tracking import read_metrics
@@ -86,34 +88,35 @@ def assert_same_tensors(expected_file, actual_file) -> None:
         torch.testing.assert_close(actual[name], expected[name], rtol=0, atol=1e-6, msg=name)
 
 
-@pytest.fixture(scope="module")
-def ddp_runs(tmp_path_factory, tiny_reward_model):
-    """Stage 2 and stage 1 under DDP: what every engine must reproduce."""
-    root = tmp_path_factory.mktemp("ddp")
-    run(
-        launch("ddp", "train_policy", *STAGE2, "--rewards.trained-model", tiny_reward_model, "--output-dir", root / "p")
-    )
-    run(launch("ddp", "train_reward", "--task", "tiny", "--output-dir", str(root / "r")))
+def stages_1_and_2(engine: str, root: Path) -> Path:
+    """Stage 1 into `root`/reward, then stage 2 into `root`, in one start of the two processes (the tiny preset
+    trains its reward model first); stage 2 reseeds after stage 1, so a run given that reward model trains alike."""
+    # built here, not by the ranks: under torch.distributed transformers saves a model on rank 0 only, and rank 1's
+    # tokenizer-only folder can win the race to the cache
+    resolve_model_path("tiny")
+    run(launch(engine, "train_policy", *STAGE2, "--output-dir", root))
     return root
 
 
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory):
+    """Stage 1 and stage 2 under DDP: what every engine must reproduce."""
+    return stages_1_and_2("ddp", tmp_path_factory.mktemp("ddp"))
+
+
 @pytest.fixture(scope="module", params=ENGINES)
-def engine_run(request, tmp_path_factory, tiny_reward_model):
-    """Stage 2 under an engine, as `ddp_runs` ran it."""
+def engine_run(request, tmp_path_factory):
+    """Stage 1 and stage 2 under an engine, as `ddp_runs` ran them."""
     engine = request.param
-    root = tmp_path_factory.mktemp(engine)
-    run(launch(engine, "train_policy", *STAGE2, "--rewards.trained-model", tiny_reward_model, "--output-dir", root))
-    return engine, root
+    return engine, stages_1_and_2(engine, tmp_path_factory.mktemp(engine))
 
 
 @pytest.mark.slow
 def test_stage2_under_the_engine_trains_as_ddp_does(engine_run, ddp_runs):
     engine, root = engine_run
-    assert_same_metrics(ddp_runs / "p" / "metrics.jsonl", root / "metrics.jsonl")
-    assert_same_tensors(ddp_runs / "p" / "policy" / "model.safetensors", root / "policy" / "model.safetensors")
-    assert_same_tensors(
-        ddp_runs / "p" / "policy" / "value_head.safetensors", root / "policy" / "value_head.safetensors"
-    )
+    assert_same_metrics(ddp_runs / "metrics.jsonl", root / "metrics.jsonl")
+    assert_same_tensors(ddp_runs / "policy" / "model.safetensors", root / "policy" / "model.safetensors")
+    assert_same_tensors(ddp_runs / "policy" / "value_head.safetensors", root / "policy" / "value_head.safetensors")
     # an ordinary transformers folder
     AutoModelForCausalLM.from_pretrained(root / "policy")
 
@@ -128,40 +131,40 @@ def test_the_engine_holds_a_share_of_ddps_state_per_process(engine_run, ddp_runs
     whole on one process; DeepSpeed pads its partitions."""
     expected = {"fsdp2": 0.5, "zero2": 0.9, "zero3": 0.6}
     engine, root = engine_run
-    ddp = read_metrics(ddp_runs / "p" / "metrics.jsonl")[-1]["memory/state_gib"]
+    ddp = read_metrics(ddp_runs / "metrics.jsonl")[-1]["memory/state_gib"]
     sharded = read_metrics(root / "metrics.jsonl")[-1]["memory/state_gib"]
     assert sharded / ddp == pytest.approx(expected[engine], abs=0.04), (engine, sharded, ddp)
 
 
 @pytest.mark.slow
-def test_frozen_models_kept_whole_train_the_same_and_hold_more(ddp_runs, tiny_reward_model, tmp_path):
+def test_frozen_models_kept_whole_train_the_same_and_hold_more(ddp_runs, tmp_path):
     """`--no-shard-frozen` under ZeRO-3: the reference policy and reward model whole on each process, beside the
-    sharded policy."""
-    reward = ("--rewards.trained-model", tiny_reward_model)
+    sharded policy; stage 2 only, on DDP's reward model."""
+    reward = ("--rewards.trained-model", ddp_runs / "reward" / "reward_model")
     run(launch("zero3", "train_policy", *STAGE2, *reward, "--no-shard-frozen", "--output-dir", tmp_path))
-    assert_same_metrics(ddp_runs / "p" / "metrics.jsonl", tmp_path / "metrics.jsonl")
-    ddp = read_metrics(ddp_runs / "p" / "metrics.jsonl")[-1]["memory/state_gib"]
+    assert_same_metrics(ddp_runs / "metrics.jsonl", tmp_path / "metrics.jsonl")
+    ddp = read_metrics(ddp_runs / "metrics.jsonl")[-1]["memory/state_gib"]
     whole_frozen = read_metrics(tmp_path / "metrics.jsonl")[-1]["memory/state_gib"]
     assert 0.6 * ddp < whole_frozen < ddp  # the policy's state halved, the two frozen models whole
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ENGINES)
-def test_stage1_under_the_engine_trains_as_ddp_does(engine, ddp_runs, tmp_path):
+def test_stage1_under_the_engine_trains_as_ddp_does(engine_run, ddp_runs):
     """Training, the normalizations after it (gain and bias written into a sharded model) and the saved folder."""
-    run(launch(engine, "train_reward", "--task", "tiny", "--output-dir", str(tmp_path)))
-    assert_same_metrics(ddp_runs / "r" / "metrics.jsonl", tmp_path / "metrics.jsonl")
+    engine, root = engine_run
+    assert_same_metrics(ddp_runs / "reward" / "metrics.jsonl", root / "reward" / "metrics.jsonl")
     for name in ("model.safetensors", RewardModel.HEAD_FILE):
-        assert_same_tensors(ddp_runs / "r" / "reward_model" / name, tmp_path / "reward_model" / name)
+        assert_same_tensors(ddp_runs / "reward" / "reward_model" / name, root / "reward" / "reward_model" / name)
 
 
 @pytest.mark.slow
-def test_a_killed_run_under_the_engine_resumes_to_the_same_weights(engine_run, tiny_reward_model, tmp_path):
+def test_a_killed_run_under_the_engine_resumes_to_the_same_weights(engine_run, tmp_path):
+    """Stage 2 only, on the reward model the straight run trained first."""
     engine, straight = engine_run
     args = (
         *STAGE2,
         "--rewards.trained-model",
-        tiny_reward_model,
+        str(straight / "reward" / "reward_model"),
         "--output-dir",
         str(tmp_path),
         "--save-interval",

@@ -44,25 +44,35 @@ def test_stage1_then_stage2_learn_under_bf16(tmp_path):
     assert last > first + 0.5, (first, last)
 
 
+def short_stage2(reward_model: str, precision: str = "bf16") -> tuple:
+    """4 updates, each one epoch of one minibatch, checkpointed every 2."""
+    one_pass = ("--ppo.noptepochs", 1, "--ppo.nminibatches", 1)
+    common = ("--task", "tiny", "--rewards.trained-model", reward_model, "--ppo.total-episodes", 64 * 4, *one_pass)
+    return (*common, "--save-interval", 2, "--mixed-precision", precision)
+
+
+@pytest.fixture(scope="module")
+def bf16_run(tmp_path_factory, tiny_reward_model):
+    """Stage 2 under bf16, straight through: the run the first-ratio test reads and the killed run resumes to."""
+    straight = tmp_path_factory.mktemp("bf16") / "straight"
+    run(stage("train_policy", *short_stage2(tiny_reward_model), "--output-dir", straight))
+    return straight
+
+
 @pytest.mark.slow
-def test_the_first_ratio_is_one_under_bf16(tmp_path, tiny_reward_model):
-    """One epoch of one minibatch: the update's only minibatch is the rollout's batch, before any step, so its
+def test_the_first_ratio_is_one_under_bf16(bf16_run):
+    """One epoch of one minibatch: the first update's only minibatch is the rollout's batch, before any step, so its
     ratio is 1 wherever the rollout's logprobs and the minibatch's are computed alike (both under autocast, the
     logprobs in float32)."""
-    args = ("--task", "tiny", "--rewards.trained-model", tiny_reward_model, "--ppo.total-episodes", 64)
-    one_pass = ("--ppo.noptepochs", 1, "--ppo.nminibatches", 1)
-    run(stage("train_policy", *args, *one_pass, "--mixed-precision", "bf16", "--output-dir", tmp_path))
-    (first,) = read_metrics(tmp_path / "metrics.jsonl")
+    first = read_metrics(bf16_run / "metrics.jsonl")[0]
     assert first["objective/kl"] == 0.0  # the reference, the same weights, computed the same way as the policy
     assert first["ppo/policy/approxkl"] == 0.0
     assert first["ppo/policy/ratio_max"] == 1.0 and first["ppo/policy/clipfrac"] == 0.0
 
 
 @pytest.mark.slow
-def test_a_killed_bf16_run_resumes_to_the_same_weights(tmp_path, tiny_reward_model):
-    common = ("--task", "tiny", "--rewards.trained-model", tiny_reward_model, "--ppo.total-episodes", 64 * 4)
-    common = (*common, "--save-interval", 2, "--mixed-precision", "bf16")
-    run(stage("train_policy", *common, "--output-dir", tmp_path / "straight"))
+def test_a_killed_bf16_run_resumes_to_the_same_weights(bf16_run, tmp_path, tiny_reward_model):
+    common = short_stage2(tiny_reward_model)
     killed = tmp_path / "killed"
     process = subprocess.Popen(
         stage("train_policy", *common, "--output-dir", killed), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
@@ -76,13 +86,15 @@ def test_a_killed_bf16_run_resumes_to_the_same_weights(tmp_path, tiny_reward_mod
     process.wait(timeout=60)
     assert process.returncode == -signal.SIGKILL, "the run ended before it could be killed"
     run(stage("train_policy", *common, "--output-dir", killed, "--resume"))
-    straight = load_file(tmp_path / "straight" / "policy" / "model.safetensors")
+    straight = load_file(bf16_run / "policy" / "model.safetensors")
     resumed = load_file(killed / "policy" / "model.safetensors")
     for name in straight:
         assert torch.equal(straight[name], resumed[name]), name
     # a resume under another precision is refused: the optimizer's state and the loop's belong to the first
     result = subprocess.run(
-        stage("train_policy", *common[:-1], "no", "--output-dir", killed, "--resume"), capture_output=True, text=True
+        stage("train_policy", *short_stage2(tiny_reward_model, "no"), "--output-dir", killed, "--resume"),
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 2 and "mixed_precision: 'bf16' then, 'no' now" in result.stderr, result.stderr[-2000:]
 

@@ -52,6 +52,7 @@ from lm_human_preference_details.grpo.config import PRESETS, GRPOArgs, get_prese
 from lm_human_preference_details.grpo.lifetime import exit_now
 from lm_human_preference_details.grpo.loss import (
     LossSettings,
+    PolicyLoss,
     group_advantages,
     linear_decay,
     policy_loss,
@@ -225,6 +226,105 @@ def loss_rows(groups: list[Group], args: GRPOArgs, rewards: torch.Tensor) -> dic
     }
 
 
+@dataclass(frozen=True)
+class WeightTotals:
+    """An importance weight over a step's completion tokens: its sum, sum of squares, count and max, from which its
+    batch-wide ESS (`effective_sample_size`'s)."""
+
+    sum: float
+    squares: float
+    count: float
+    max: float
+
+    @classmethod
+    def of(cls, weights: torch.Tensor, share: float) -> "WeightTotals":
+        """Of the weights given (1-D), times `share` (0: a filler pass, which adds nothing)."""
+        w = weights.double()
+        top = float(w.max()) if share and w.numel() else -math.inf
+        return cls(float(w.sum()) * share, float(w.square().sum()) * share, w.numel() * share, top)
+
+    def add(self, other: "WeightTotals") -> "WeightTotals":
+        return WeightTotals(
+            self.sum + other.sum, self.squares + other.squares, self.count + other.count, max(self.max, other.max)
+        )
+
+    def ess(self) -> float:
+        squares = self.count * self.squares
+        return self.sum**2 / squares if squares > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class StepStatistics:
+    """A step's statistics, added up micro-batch by micro-batch (`add`), then over the trainer's processes
+    (`over_processes`): `policy_loss`'s stats times the tokens in the loss, the entropy summed over the completion
+    tokens, both token counts, and the totals of the raw ratio pi/mu and of reinforce's capped weight over every
+    completion token (a row that overlong filtering leaves out of the loss too)."""
+
+    loss_stats: dict[str, float]
+    entropy: float
+    tokens: float
+    tokens_in_loss: float
+    ratio: WeightTotals
+    weight: WeightTotals | None
+
+    @classmethod
+    def of_micro_batch(
+        cls, out: PolicyLoss, in_loss: torch.Tensor, completion: torch.Tensor, entropy: torch.Tensor, share: float
+    ) -> "StepStatistics":
+        """A micro-batch's: `in_loss` and `completion` its masks of the tokens in the loss and of every completion
+        token; `share` 0 for a filler pass."""
+        n = float(in_loss.sum()) * share
+        on_tokens = completion.bool()
+        return cls(
+            loss_stats={k: float(v) * n for k, v in out.stats.items()},
+            entropy=float((entropy.detach() * completion).sum()) * share,
+            tokens=float(completion.sum()) * share,
+            tokens_in_loss=n,
+            ratio=WeightTotals.of(out.ratio[on_tokens], share),
+            weight=None if out.weight is None else WeightTotals.of(out.weight[on_tokens], share),
+        )
+
+    def add(self, other: "StepStatistics") -> "StepStatistics":
+        return StepStatistics(
+            {k: v + other.loss_stats[k] for k, v in self.loss_stats.items()},
+            self.entropy + other.entropy,
+            self.tokens + other.tokens,
+            self.tokens_in_loss + other.tokens_in_loss,
+            self.ratio.add(other.ratio),
+            None if self.weight is None else self.weight.add(other.weight),
+        )
+
+    def over_processes(self, accelerator) -> "StepStatistics":
+        """Summed (the maxima maxed) over the trainer's processes; as it is for one."""
+        weights = [w for w in (self.ratio, self.weight) if w is not None]
+        counts = [*self.loss_stats.values(), self.entropy, self.tokens, self.tokens_in_loss]
+        sums = over_processes(counts + [x for w in weights for x in (w.sum, w.squares, w.count)], "sum", accelerator)
+        maxima = over_processes([w.max for w in weights], "max", accelerator)
+        n = len(self.loss_stats)
+        totals = [WeightTotals(*sums[i : i + 3], top) for i, top in zip(range(n + 3, len(sums), 3), maxima)]
+        weight = totals[1] if len(totals) > 1 else None
+        return StepStatistics(dict(zip(self.loss_stats, sums[:n])), *sums[n : n + 3], totals[0], weight)
+
+    def metrics(self) -> dict[str, float]:
+        """`policy_loss`'s stats as means over the tokens in the loss (0 for a batch all cut by overlong filtering),
+        but the raw ratio's and the weight's max and ESS over every completion token; the mean entropy."""
+        means = {k: v / max(self.tokens_in_loss, 1.0) for k, v in self.loss_stats.items()}
+        means |= {"ratio/max": self.ratio.max, "ess": self.ratio.ess()}
+        if self.weight is not None:
+            means |= {"weight/max": self.weight.max, "weight/ess": self.weight.ess()}
+        return means | {"entropy": self.entropy / self.tokens}
+
+
+def process_passes(micro_batches: list[list[Part]], accelerator=None) -> list[tuple[list[Part], float]]:
+    """This process's forward/backward passes, (micro-batch, share): under several processes every n-th micro-batch
+    (share 1), then filler passes (share 0, the first micro-batch again) up to as many passes as any process runs:
+    FSDP2 gathers and reduces in every pass, which every process must join."""
+    processes, rank = (accelerator.num_processes, accelerator.process_index) if accelerator else (1, 0)
+    mine = micro_batches[rank::processes]
+    passes = -(-len(micro_batches) // processes)
+    return [(mine[i], 1.0) if i < len(mine) else (micro_batches[0], 0.0) for i in range(passes)]
+
+
 def accumulate_gradients(
     model,
     reference,
@@ -239,34 +339,21 @@ def accumulate_gradients(
     the gradient of the whole step's loss (summed over its tokens, divided by its number of sequences or
     `loss_normalizer`'s count), however the groups are packed. `rewards`: one per sample, in `flatten_groups` order;
     `step`: optimizer steps completed before this one (where the KL and entropy schedules are). Returns the step's
-    stats: `policy_loss`'s as token-weighted means, the entropy, the coefficients, and over all its tokens the
-    maxima and the ESS of the raw ratio and of the capped weight.
+    stats (`StepStatistics.metrics`) and the coefficients.
 
-    Under several trainer processes (`accelerator`; each called with the whole step's groups) each process takes
-    every n-th micro-batch, and all run as many forward/backward passes, a process short of one repeating a
-    micro-batch at weight 0 (FSDP2 gathers and reduces in every pass, which every process must join); gradients are
-    reduced once, after the last pass, and the stats are over every process's tokens."""
-    processes, rank = (accelerator.num_processes, accelerator.process_index) if accelerator else (1, 0)
+    Under several trainer processes (`accelerator`; each called with the whole step's groups) each process runs its
+    `process_passes`; gradients are reduced once, after the last pass, and the stats are over every process's
+    tokens."""
+    processes = accelerator.num_processes if accelerator else 1
     num_sequences = len(rewards)
     rows = {k: v.to(model.device) for k, v in loss_rows(groups, args, rewards).items()}
     kept_tokens = sum(len(s.completion_ids) for s, k in zip(flatten_groups(groups), rows["kept"].tolist()) if k)
     settings = loss_settings(args, step)
-    micro_batches = pack(groups, args.token_budget)
-    mine = micro_batches[rank::processes]
-    passes = -(-len(micro_batches) // processes)
-    # per process, then over all of them: token-weighted stat sums, token counts, and for the raw ratio pi/mu and the
-    # capped weight of every completion token their sums, sums of squares and counts (the batch's ESS) and maxima
-    sums: dict[str, float] = {}
-    maxima: dict[str, float] = {}
-
-    def add(totals: dict[str, float], key: str, value: float, combine=lambda a, b: a + b) -> None:
-        totals[key] = combine(totals[key], value) if key in totals else value
-
-    for i in range(passes):
-        share = 1.0 if i < len(mine) else 0.0  # 0: a filler pass, for the collectives only
-        indices = mine[i] if share else micro_batches[0]
-        batch = batch_tensors(groups, indices, model.device)
-        last = i == passes - 1
+    passes = process_passes(pack(groups, args.token_budget), accelerator)
+    totals = None
+    for i, (parts, share) in enumerate(passes):
+        batch = batch_tensors(groups, parts, model.device)
+        last = i == len(passes) - 1
         with (
             accelerator.no_sync(model) if accelerator and not last else contextlib.nullcontext(),
             accelerator.autocast() if accelerator else contextlib.nullcontext(),  # the reference's forward too
@@ -278,7 +365,7 @@ def accumulate_gradients(
                 token_logprobs(reference, batch, args.temperature, vocab_size)[0].detach() if reference else None
             )
             kept = rows["kept"][batch["rows"]]
-            mask = batch["mask"] * kept[:, None]
+            in_loss = batch["mask"] * kept[:, None]
             out = policy_loss(
                 new_logprobs,
                 batch["behaviour"],
@@ -292,7 +379,7 @@ def accumulate_gradients(
                 weights=None
                 if args.loss_normalizer == "sequences"
                 else token_weights(
-                    mask,
+                    in_loss,
                     args.loss_normalizer,
                     num_sequences,
                     num_tokens=kept_tokens,
@@ -302,47 +389,21 @@ def accumulate_gradients(
             )
             # FSDP2 averages the processes' gradients, and the step's is their sum
             (out.loss * (share * processes) if processes > 1 else out.loss).backward()
-        n = float(mask.sum()) * share
-        for k, v in out.stats.items():  # token-weighted means over the micro-batches
-            add(sums, f"stat:{k}", float(v) * n)
-        add(sums, "entropy", float((entropy.detach() * batch["mask"]).sum()) * share)
-        add(sums, "tokens", float(batch["mask"].sum()) * share)
-        add(sums, "tokens_in_loss", n)
-        on_tokens = batch["mask"].bool()
-        for name, w in {"ratio": out.ratio, "weight": out.weight}.items():
-            if w is None:  # the capped weight is reinforce's
-                continue
-            w = w[on_tokens].double()
-            add(sums, f"{name}:sum", float(w.sum()) * share)
-            add(sums, f"{name}:squares", float(w.square().sum()) * share)
-            add(sums, f"{name}:count", w.numel() * share)
-            add(maxima, f"{name}/max", float(w.max()) if share and w.numel() else -math.inf, max)
-    sums, maxima = over_processes(sums, "sum", accelerator), over_processes(maxima, "max", accelerator)
-    batch_wide = {}
-    for name, ess in (("ratio", "ess"), ("weight", "weight/ess")):
-        if f"{name}:sum" in sums:
-            squares = sums[f"{name}:count"] * sums[f"{name}:squares"]
-            batch_wide |= {
-                f"{name}/max": maxima[f"{name}/max"],
-                ess: sums[f"{name}:sum"] ** 2 / squares if squares > 0 else 0.0,  # `effective_sample_size`'s
-            }
-    return {
-        # a batch all cut by overlong filtering: 0
-        **{k[len("stat:") :]: v / max(sums["tokens_in_loss"], 1.0) for k, v in sums.items() if k.startswith("stat:")},
-        "entropy": sums["entropy"] / sums["tokens"],
+        part = StepStatistics.of_micro_batch(out, in_loss, batch["mask"], entropy, share)
+        totals = part if totals is None else totals.add(part)
+    return totals.over_processes(accelerator).metrics() | {
         "kl/coef": settings.kl_coef,
         "entropy/coef": settings.entropy_coef,
-        **batch_wide,
     }
 
 
-def over_processes(values: dict[str, float], op: str, accelerator) -> dict[str, float]:
-    """`values` summed (`op` "sum") or maxed ("max") over the trainer's processes (as they are, for one); every
-    process calls it with the same keys."""
+def over_processes(values: list[float], op: str, accelerator) -> list[float]:
+    """`values` summed (`op` "sum") or maxed ("max") over the trainer's processes, elementwise (as they are, for one);
+    every process calls it with as many."""
     if accelerator is None or accelerator.num_processes == 1:
         return values
-    mine = torch.tensor(list(values.values()), dtype=torch.float64, device=accelerator.device)
-    return dict(zip(values, accelerator.reduce(mine, op).tolist()))
+    mine = torch.tensor(values, dtype=torch.float64, device=accelerator.device)
+    return accelerator.reduce(mine, op).tolist()
 
 
 def train(args: GRPOArgs, wait_for_servers: Callable[[], list[str]]) -> None:

@@ -20,6 +20,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+import time
 
 import torch
 
@@ -54,23 +55,38 @@ def resolve_model_path(name_or_path: str) -> str:
         return name_or_path
     revision = ASSET_REVISIONS.get(name_or_path)
     path = os.path.join(cache_dir(), name_or_path if revision is None else f"{name_or_path}.r{revision}")
-    if not os.path.exists(os.path.join(path, "config.json")):
+    if not _complete(path):
         _build_atomically(path, builders[name_or_path])
     return path
 
 
-def _build_atomically(path: str, build) -> None:
-    # several ranks may race to build the same asset: each builds in its own temp dir, one rename wins
+def _build_atomically(path: str, build, timeout_s: float = 1800) -> None:
+    """Build an asset into `path` once, however many processes ask at the same time: each builds in a folder of its
+    own and a complete one is renamed into place. Under torch.distributed transformers writes a model's files on rank
+    0 only, so another rank's folder may lack them: that rank waits for a complete one instead of publishing its own."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".", dir=os.path.dirname(path))
     try:
         build(tmp)
-        os.rename(tmp, path)
+        if _complete(tmp):
+            if os.path.isdir(path) and not _complete(path):  # left by a version that published incomplete folders
+                shutil.rmtree(path, ignore_errors=True)
+            os.rename(tmp, path)
     except OSError:
-        if not os.path.exists(os.path.join(path, "config.json")):
+        if not _complete(path):  # not a lost race: a failed build
             raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    deadline = time.monotonic() + timeout_s
+    while not _complete(path):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{path}: no process finished building it within {timeout_s:.0f} s")
+        time.sleep(0.5)
+
+
+def _complete(folder: str) -> bool:
+    """Whether a built folder holds the model (its config is what a rank without the model files lacks)."""
+    return os.path.exists(os.path.join(folder, "config.json"))
 
 
 def tiny_tokenizer(chars: str = TINY_CHARS):

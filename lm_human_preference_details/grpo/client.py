@@ -43,7 +43,7 @@ def server_module(url: str) -> str:
         engine = request_json("GET", f"{url}/metrics", timeout_s=10).get("engine", "home")
     except ServerError:
         engine = "home"
-    return "lm_human_preference_details.grpo." + ("vllm_server" if engine == "vllm" else "server")
+    return "lm_human_preference_details.grpo.serving." + ("vllm_server" if engine == "vllm" else "server")
 
 
 class ServerError(RuntimeError):

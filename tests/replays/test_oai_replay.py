@@ -10,6 +10,8 @@ from lm_human_preference_details.tasks import LabelHParams, TaskHParams
 from lm_human_preference_details.train_policy import PPOHParams, RewardHParams
 from tests.replays.oai_replay.replay import Shape, max_difference, prepare, replay_policy, replay_reward, run_oai
 
+pytestmark = pytest.mark.slow  # TensorFlow trains OpenAI's code first: a minute and more
+
 TOLERANCE = 1e-5
 """the largest absolute difference of any parameter after any update, in float32"""
 

@@ -78,7 +78,8 @@ def model_dir(tmp_path_factory):
     return save_tiny_math_with_chat_template(str(tmp_path_factory.mktemp("tiny-math-chat")))
 
 
-@pytest.fixture(scope="module", params=["home", "vllm"])
+# vLLM's server takes minutes to start on a CPU: its half of the contract runs in the whole suite, not the quick loop
+@pytest.fixture(scope="module", params=["home", pytest.param("vllm", marks=pytest.mark.slow)])
 def engine_server(request, model_dir, tmp_path_factory):
     server = EngineServer(request.param, tmp_path_factory.mktemp(f"{request.param}-logs"))
     try:

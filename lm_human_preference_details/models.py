@@ -44,14 +44,23 @@ def last_real_index(mask: torch.Tensor) -> torch.Tensor:
     return (mask * positions).argmax(dim=1)
 
 
+def temperature_log_softmax(logits: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
+    """log softmax(logits / temperature) over the last axis (..., V): the distribution that the sampler, the servers'
+    engine and both trainers read, so that a sampled token's logprob and its recomputation agree bitwise.
+
+    Logits in a half precision are upcast to float32 first; float32 and float64 logits keep their dtype.
+    `temperature`: a number, or a tensor that broadcasts against the logits (the engine's one per row).
+    # OAI: lm_human_preferences/policy.py#L121 (logits divided by the temperature everywhere)
+    """
+    return (logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature).log_softmax(-1)
+
+
 def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
     """log softmax(logits / temperature) at `tokens`: (B, T, V), (B, T) -> (B, T).
 
     Equivalent to `torch.gather((logits / temperature).log_softmax(-1), -1, tokens[..., None])[..., 0]`.
-    # OAI: lm_human_preferences/policy.py#L121 (logits divided by the temperature everywhere)
     """
-    logits = logits.float() / temperature
-    return torch.gather(logits.log_softmax(-1), -1, tokens.unsqueeze(-1)).squeeze(-1)
+    return torch.gather(temperature_log_softmax(logits, temperature), -1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
 def disable_dropout(model: nn.Module) -> nn.Module:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .data import QuerySampler
-from .models import masked_inputs
+from .models import masked_inputs, temperature_log_softmax
 
 
 @torch.no_grad()
@@ -40,8 +40,7 @@ def sample_responses(
     out = lm(**inputs, use_cache=True, logits_to_keep=1)  # the queries' other positions predict nothing we sample
     tokens, logprobs = [], []
     for step in range(response_length):
-        logits = out.logits[:, -1, :vocab_size].float() / temperature  # OAI: lm_human_preferences/policy.py#L121
-        log_probs = logits.log_softmax(-1)  # (B, V)
+        log_probs = temperature_log_softmax(out.logits[:, -1, :vocab_size], temperature)  # (B, V)
         token = torch.multinomial(log_probs.exp(), 1, generator=generator)  # (B, 1)
         tokens.append(token)
         logprobs.append(torch.gather(log_probs, 1, token))

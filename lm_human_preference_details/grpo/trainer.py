@@ -62,7 +62,7 @@ from lm_human_preference_details.grpo.loss import (
 from lm_human_preference_details.grpo.records import Attempt, Group
 from lm_human_preference_details.grpo.streams import open_reader
 from lm_human_preference_details.grpo.weights import WeightSender, served_dtype
-from lm_human_preference_details.models import load_causal_lm
+from lm_human_preference_details.models import load_causal_lm, temperature_log_softmax
 from lm_human_preference_details.optim import make_optimizer
 from lm_human_preference_details.tracking import Tracker
 
@@ -158,8 +158,7 @@ def token_logprobs(
     attention = torch.cat([batch["prompt_mask"][row], batch["mask"].long()], dim=1)
     completion = model(input_ids=batch["completion_ids"], attention_mask=attention, position_ids=positions, cache=cache)
     logits = torch.cat([prompt.logits[row], completion.logits[:, :-1]], dim=1)[..., :vocab_size]
-    # bf16 logits are upcast for the softmax; a float64 model's stay float64
-    logprobs = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, dim=-1)
+    logprobs = temperature_log_softmax(logits, temperature)
     taken = logprobs.gather(2, batch["completion_ids"][..., None])[..., 0]
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):  # else no vocabulary-wide graph kept
         entropy = -(logprobs.exp() * logprobs).sum(-1)

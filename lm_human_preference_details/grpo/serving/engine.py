@@ -32,6 +32,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from lm_human_preference_details.grpo.protocol import MIN_TEMPERATURE
+from lm_human_preference_details.models import temperature_log_softmax
 
 
 @dataclass
@@ -278,7 +279,7 @@ class Engine:
         """Sample the next token of rows first_row.. of the batch from their last logits."""
         batch, sequences = self._batch, self._active[first_row:]
         temperatures = batch.temperatures[first_row : batch.rows, None]
-        logprobs = torch.log_softmax(logits[:, : self.vocab_size].float() / temperatures, dim=-1)
+        logprobs = temperature_log_softmax(logits[:, : self.vocab_size], temperatures)
         tokens = sample_tokens(logprobs, self.generator)
         token_logprobs = logprobs.gather(1, tokens[:, None])[:, 0]
         batch.last_tokens[first_row : batch.rows] = tokens

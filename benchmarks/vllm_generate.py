@@ -18,7 +18,7 @@ import shutil
 import sys
 import time
 
-from lm_human_preference_details.grpo.serving.http_contract import Sampling
+from lm_human_preference_details.grpo.serving.request_checks import Sampling
 from lm_human_preference_details.grpo.serving.vllm_server import (
     _environment,
     engine_arguments,

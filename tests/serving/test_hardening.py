@@ -339,7 +339,7 @@ def test_a_fuzz_of_hostile_requests_leaves_the_server_serving_without_growing(ho
 
 
 def test_a_servers_control_access_comes_from_its_token_file_or_the_environment(tmp_path, monkeypatch):
-    from lm_human_preference_details.grpo.serving.http_contract import ControlAccess
+    from lm_human_preference_details.grpo.serving.control import ControlAccess
 
     monkeypatch.setenv(TOKEN_ENV, "from-the-environment")
     assert ControlAccess.for_server("0.0.0.0", "", []).token == "from-the-environment"

@@ -11,7 +11,7 @@ Endpoints (docs/DESIGN.md, "The GRPO pipeline contract"; its constants and types
 - `POST /v1/chat/completions` {messages: [{role, content}], ...same sampling fields, top_logprobs}
   Both return per choice the token ids, per-token logprobs (at the sampling temperature) and
   `model_versions`, the weight version that sampled each token; the fields they take, and the 400 for any
-  other, are `grpo.serving.http_contract`'s (the OpenAI SDK works against them). `GET /v1/models` lists the model.
+  other, are `request_checks`' (the OpenAI SDK works against them). `GET /v1/models` lists the model.
 - `POST /init_process_group` {init_method, rank, world_size, backend, timeout_s}: join the trainer's group
   (with the control token, `--token-file` or $GRPO_SERVER_TOKEN, when the server has one).
 - `POST /request_weight_update` {version, parameters: [{name, shape, dtype}], bucket_bytes}: checked
@@ -46,19 +46,11 @@ from aiohttp import web
 from lm_human_preference_details.cli import quiet_transformers
 from lm_human_preference_details.grpo.lifetime import exit_now, exit_with_parent
 from lm_human_preference_details.grpo.protocol import ParameterSpec, ServerDtype
+from lm_human_preference_details.grpo.serving.control import LOOPBACK_ACCESS, ControlAccess, RendezvousTimeout
 from lm_human_preference_details.grpo.serving.engine import Engine, Generation, GenerationRequest
-from lm_human_preference_details.grpo.serving.http_contract import (
-    LOOPBACK_ACCESS,
-    RUNNER_OPTIONS,
-    BadRequest,
-    ContractServer,
-    ControlAccess,
-    RendezvousTimeout,
-    Sampling,
-    StopStrings,
-    first_line,
-    listen,
-)
+from lm_human_preference_details.grpo.serving.http_contract import RUNNER_OPTIONS, ContractServer, first_line, listen
+from lm_human_preference_details.grpo.serving.replies import StopStrings
+from lm_human_preference_details.grpo.serving.request_checks import BadRequest, Sampling
 
 log = logging.getLogger(__name__)
 

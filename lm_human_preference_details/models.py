@@ -50,8 +50,8 @@ def temperature_log_softmax(logits: torch.Tensor, temperature: float | torch.Ten
 
     Logits in a half precision are upcast to float32 first; float32 and float64 logits keep their dtype.
     `temperature`: a number, or a tensor that broadcasts against the logits (the engine's one per row).
-    # OAI: lm_human_preferences/policy.py#L121 (logits divided by the temperature everywhere)
     """
+    # OAI: lm_human_preferences/policy.py#L121 (logits divided by the temperature everywhere)
     return (logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature).log_softmax(-1)
 
 

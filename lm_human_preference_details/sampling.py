@@ -40,6 +40,7 @@ def sample_responses(
     out = lm(**inputs, use_cache=True, logits_to_keep=1)  # the queries' other positions predict nothing we sample
     tokens, logprobs = [], []
     for step in range(response_length):
+        # OAI: lm_human_preferences/policy.py#L121
         log_probs = temperature_log_softmax(out.logits[:, -1, :vocab_size], temperature)  # (B, V)
         token = torch.multinomial(log_probs.exp(), 1, generator=generator)  # (B, 1)
         tokens.append(token)

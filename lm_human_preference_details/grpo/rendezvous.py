@@ -1,0 +1,238 @@
+"""How the launchers of a multi-node run meet and part: a `TCPStore` on node 0.
+
+torch.distributed's key-value store at `MASTER_ADDR:MASTER_PORT` needs no service of its own: node 0's launcher
+holds it, the others connect. Through it the launchers
+- compare their world maps (`meet`): nodes started with other flags are refused before anything starts;
+- hear node 0's decisions (`RunStart`): the weights version, the model, the servers' control token, the port of
+  the trainer's process group;
+- publish the URLs of the servers they start, and read everyone's (`publish_servers`, `server_urls`);
+- hear of each other's end (`watch`, `check`): a node that fails says so, a node that is killed falls silent, and
+  node 0 going away closes the store; within `SILENCE_LIMIT_S` every launcher knows and stops its processes.
+
+Every value in the store is a typed record with a schema version (`NodeHello`, `RunStart`) or a line of text.
+"""
+
+import datetime
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+log = logging.getLogger(__name__)
+
+SCHEMA = 1
+HEARTBEAT_S = 1.0
+"""how often each launcher says it is alive"""
+SILENCE_LIMIT_S = 10.0
+"""a node silent this long is taken as gone (a killed launcher cannot say so)"""
+PARTING_S = 10.0
+"""how long node 0 keeps the store up at the end, for the others to hear how the run ended"""
+
+
+class NodeLost(RuntimeError):
+    """Another node failed or went away; the message names it and what it ran."""
+
+
+class RendezvousError(RuntimeError):
+    """The nodes could not meet (one never joined, or their maps differ); the message names the node."""
+
+
+def _record(cls, text: bytes):
+    data = json.loads(text)
+    if data.get("schema") != SCHEMA:
+        raise RendezvousError(
+            f"a launcher wrote a {cls.__name__} of schema {data.get('schema')!r}, this one reads {SCHEMA}: "
+            "run the same version of the package on every node"
+        )
+    del data["schema"]
+    return cls(**data)
+
+
+@dataclass(frozen=True)
+class NodeHello:
+    """What a launcher says when it joins: its map's digest and the address its servers listen at."""
+
+    node_rank: int
+    map_digest: str
+    address: str
+
+    def to_json(self) -> str:
+        return json.dumps({"schema": SCHEMA, **asdict(self)})
+
+
+@dataclass(frozen=True)
+class RunStart:
+    """Node 0's decisions, which every node starts from."""
+
+    version: int  # the weights the servers start with (a resumed run's checkpoint)
+    model: str  # what the servers load: the model, or a resumed run's checkpoint folder
+    control_token: str  # the servers' control token, which the trainer on node 0 sends to every server
+    trainer_port: int  # MASTER_PORT of the trainer's process group, at node 0's address
+    run_id: str  # also in node 0's world.json: a node that reads it there sees node 0's run folder
+
+    def to_json(self) -> str:
+        return json.dumps({"schema": SCHEMA, **asdict(self)})
+
+
+class Rendezvous:
+    """This launcher's side of the meeting; node 0's holds the store."""
+
+    def __init__(
+        self, node_rank: int, nnodes: int, master_addr: str, master_port: int, roles: dict[int, str], timeout_s: float
+    ):
+        """`roles`: what each node runs, in words, for the lines that name a lost node (`describe_roles`)."""
+        self.node_rank, self.nnodes, self.roles = node_rank, nnodes, roles
+        self.host, self.port, self.where = master_addr, master_port, f"{master_addr}:{master_port}"
+        self.timeout_s = timeout_s
+        self._failure: str | None = None
+        self._node0_done = False
+        self._stop = threading.Event()
+        self.hellos: dict[int, NodeHello] = {}  # once met: node 0's (every node's, on node 0)
+        self.store = self._connect(is_master=node_rank == 0)
+
+    def _connect(self, is_master: bool, timeout_s: float | None = None):
+        import torch.distributed as dist  # torch: only for a run over several nodes
+
+        try:
+            return dist.TCPStore(
+                self.host,
+                self.port,
+                self.nnodes,
+                is_master,
+                timeout=datetime.timedelta(seconds=timeout_s or self.timeout_s),
+                wait_for_workers=False,
+            )
+        except (RuntimeError, OSError) as error:  # DistNetworkError, DistStoreError: both RuntimeErrors
+            if is_master:
+                raise RendezvousError(
+                    f"node 0 cannot listen at {self.where} for the other nodes ({error}): pass a free --master-port"
+                ) from None
+            raise RendezvousError(
+                f"node 0's rendezvous at {self.where} did not answer within {timeout_s or self.timeout_s:.0f} s "
+                f"({error}): start node 0 with the same --master-addr and --master-port"
+            ) from None
+
+    def meet(self, hello: NodeHello) -> dict[int, NodeHello]:
+        """Say hello and wait for every node's; RendezvousError naming a node that did not join within the timeout or
+        whose map differs from node 0's (every node checks its own against node 0's, node 0 checks them all)."""
+        self.store.set(f"hello/{self.node_rank}", hello.to_json())
+        others = range(self.nnodes) if self.node_rank == 0 else [0]
+        raws = self._wait_all([f"hello/{r}" for r in others])
+        self.hellos = {rank: _record(NodeHello, raw) for rank, raw in raws.items()}
+        for rank, theirs in self.hellos.items():
+            if theirs.map_digest != hello.map_digest:
+                raise RendezvousError(
+                    f"node {rank if self.node_rank == 0 else self.node_rank}'s world map differs from node 0's "
+                    "(other flags, or other GPUs on that node): start every node with the same command and "
+                    "--gpus-per-node"
+                )
+        return self.hellos
+
+    def _wait_all(self, keys: list[str]) -> dict[int, bytes]:
+        deadline = time.monotonic() + self.timeout_s
+        while not all(self.store.check([key]) for key in keys):
+            if time.monotonic() > deadline:
+                missing = [key.rsplit("/", 1)[1] for key in keys if not self.store.check([key])]
+                raise RendezvousError(
+                    f"node {', '.join(missing)} did not join within {self.timeout_s:.0f} s "
+                    f"({'; '.join(self.roles.get(int(r), '') for r in missing)}): start it with the same command, "
+                    f"rendezvous at {self.where}"
+                )
+            time.sleep(0.05)
+        return {int(key.rsplit("/", 1)[1]): self.store.get(key) for key in keys}
+
+    def announce(self, start: RunStart) -> None:
+        """Node 0: the decisions the others wait for."""
+        self.store.set("start", start.to_json())
+
+    def run_start(self) -> RunStart:
+        """Node 0's decisions, waiting for them (node 0 checks the folder and the stream first)."""
+        return _record(RunStart, self._wait_until("start", lambda: None))
+
+    def publish_servers(self, urls: dict[int, str]) -> None:
+        """The URLs of the servers this node started, by their index in the map."""
+        for index, url in urls.items():
+            self.store.set(f"server/{index}", url)
+
+    def server_urls(self, count: int, while_waiting: Callable[[], None]) -> dict[int, str]:
+        """Every server's URL, once every node has published its own; `while_waiting()` is called between looks
+        (the launcher checks its own processes; what it raises ends the wait), and so is `check`."""
+        return {
+            index: self._wait_until(f"server/{index}", while_waiting, timeout_s=None).decode() for index in range(count)
+        }
+
+    def _wait_until(self, key: str, while_waiting: Callable[[], None], timeout_s: float | None = 0) -> bytes:
+        """The key's value once set. `timeout_s` 0: the rendezvous's; None: no limit (servers take their time
+        to load; a node that fails or goes away meanwhile ends the wait through `check`)."""
+        deadline = time.monotonic() + (self.timeout_s if timeout_s == 0 else timeout_s or float("inf"))
+        while not self.store.check([key]):
+            while_waiting()
+            self.check()
+            if time.monotonic() > deadline:
+                raise RendezvousError(f"node 0 did not say how to start within {self.timeout_s:.0f} s")
+            time.sleep(0.1)
+        return self.store.get(key)
+
+    def watch(self) -> None:
+        """Start saying that this node is alive, and listening for the others' end (`check` raises it)."""
+        threading.Thread(target=self._watch_forever, name="rendezvous-watch", daemon=True).start()
+
+    def _watch_forever(self) -> None:
+        store = self._connect(is_master=False)  # a connection of its own: a store client is not shared by threads
+        seen = {rank: (-1, time.monotonic()) for rank in range(1, self.nnodes)}
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                store.add(f"alive/{self.node_rank}", 1)
+                if store.check(["failed"]):
+                    self._failure = store.get("failed").decode()
+                    return
+                if self.node_rank != 0:
+                    self._node0_done = store.check(["done"])
+                    continue
+                for rank, (count, since) in seen.items():  # node 0 listens for every node's heartbeat
+                    now = store.add(f"alive/{rank}", 0)
+                    if now != count:
+                        seen[rank] = (now, time.monotonic())
+                    elif time.monotonic() - since > SILENCE_LIMIT_S:
+                        self.fail(f"node {rank} ({self.roles.get(rank, '')}) fell silent for {SILENCE_LIMIT_S:.0f} s")
+                        self._failure = store.get("failed").decode()
+                        return
+            except RuntimeError as error:  # only node 0 holds the store: it is gone
+                self._failure = f"node 0 ({self.roles.get(0, '')}) is gone: its rendezvous stopped answering ({error})"
+                return
+
+    def check(self) -> None:
+        """NodeLost if another node failed or went away."""
+        if self._failure is not None:
+            raise NodeLost(self._failure)
+
+    @property
+    def node0_done(self) -> bool:
+        """Whether node 0 said the run is over (its trainer finished)."""
+        return self._node0_done
+
+    def fail(self, line: str) -> None:
+        """Tell every node that the run failed, and why (first one wins); best effort: the store may be gone."""
+        try:
+            self.store.compare_set("failed", "", line)
+        except RuntimeError:
+            pass
+
+    def part(self, ok: bool) -> None:
+        """The end: node 0 says the run is over (`ok`) and waits up to `PARTING_S` for every node to have heard
+        it before its store goes; the others say they heard it."""
+        self._stop.set()
+        try:
+            if self.node_rank != 0:
+                self.store.set(f"parted/{self.node_rank}", "1")
+                return
+            if ok:
+                self.store.set("done", "1")
+            deadline = time.monotonic() + PARTING_S
+            keys = [f"parted/{rank}" for rank in range(1, self.nnodes)]
+            while not all(self.store.check([key]) for key in keys) and time.monotonic() < deadline:
+                time.sleep(0.1)
+        except RuntimeError:
+            pass

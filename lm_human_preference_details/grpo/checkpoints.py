@@ -4,6 +4,7 @@ The launcher reads it to resume (`resumed_state`, `model_folder`) without import
 mechanics (staging, damage, settings) are `lm_human_preference_details.checkpoint`'s.
 """
 
+import dataclasses
 import json
 import os
 
@@ -11,6 +12,7 @@ import torch
 
 from lm_human_preference_details import checkpoint, cli, sharding
 from lm_human_preference_details.grpo.config import GRPOArgs
+from lm_human_preference_details.grpo.world import PlacementArgs
 
 MAY_CHANGE_ON_RESUME = {
     "resume",
@@ -31,6 +33,7 @@ MAY_CHANGE_ON_RESUME = {
     "trainer_host",
     "weight_backend",
     "update_bucket_mb",
+    *(f"placement.{setting.name}" for setting in dataclasses.fields(PlacementArgs)),
 }
 """what a resumed run may set otherwise (how long it runs, where and how its processes run); the rest must be the
 checkpoint's: the stream position counts groups of its batch size, the optimizer state is of its settings"""

@@ -72,11 +72,19 @@ def request_json(method: str, url: str, payload: dict | None = None, timeout_s: 
 
 
 class ServerProcess:
-    """`python -m lm_human_preference_details.grpo.serving.server FLAGS` as a child process on 127.0.0.1, on a
-    port the OS picks (`--port 0`, read back through `--port-file`): a port chosen beforehand could be
-    taken by another process before the server binds it, and /health would then be answered by that one."""
+    """`python -m lm_human_preference_details.grpo.serving.server FLAGS` as a child process at `host` (loopback
+    unless other nodes reach it too), on a port the OS picks (`--port 0`, read back through `--port-file`): a port
+    chosen beforehand could be taken by another process before the server binds it, and /health would then be
+    answered by that one."""
 
-    def __init__(self, flags: list[str], log_file, env: dict | None = None, command: list[str] | None = None):
+    def __init__(
+        self,
+        flags: list[str],
+        log_file,
+        env: dict | None = None,
+        command: list[str] | None = None,
+        host: str = "127.0.0.1",
+    ):
         """`command` starts the server (default: this interpreter's `grpo.serving.server`; `vllm_env.server_command()`
         for the vLLM one); `flags` follow it, then the listening address this class reads back."""
         folder = tempfile.mkdtemp(prefix="grpo-server-")
@@ -84,9 +92,10 @@ class ServerProcess:
         self._remove_folder = weakref.finalize(
             self, shutil.rmtree, folder, ignore_errors=True
         )  # also if never waited for
+        self.host = host
         command = command or [sys.executable, "-m", "lm_human_preference_details.grpo.serving.server"]
         self.process = subprocess.Popen(
-            [*command, *flags, "--host", "127.0.0.1", "--port", "0", "--port-file", self._port_file],
+            [*command, *flags, "--host", host, "--port", "0", "--port-file", self._port_file],
             stdout=log_file,
             stderr=subprocess.STDOUT,
             env=env,
@@ -105,7 +114,7 @@ class ServerProcess:
                 raise RuntimeError(f"the server was not listening within {timeout_s:.0f} s")
             time.sleep(0.05)
         with open(self._port_file) as f:
-            url = f"http://127.0.0.1:{int(f.read())}"
+            url = f"http://{self.host}:{int(f.read())}"
         self._remove_folder()
         while True:
             while_waiting()

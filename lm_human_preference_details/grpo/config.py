@@ -12,6 +12,7 @@ from lm_human_preference_details.cli import UserError
 from lm_human_preference_details.grpo.loss_options import Baseline, ImportanceSampling, LossType, Normalizer, StdOver
 from lm_human_preference_details.grpo.protocol import MAX_CHOICES, MIN_TEMPERATURE, ServerDtype, WeightBackend
 from lm_human_preference_details.grpo.schedule import Mode, Schedule
+from lm_human_preference_details.grpo.world import PlacementArgs
 from lm_human_preference_details.tracking import RunArgs
 
 Engine = Literal["auto", "home", "vllm"]
@@ -243,6 +244,8 @@ class GRPOArgs(RunArgs):
     """continue from the last checkpoint in output_dir (through `grpo.launch`, which restarts every process at it)"""
 
     # processes
+    placement: tyro.conf.OmitArgPrefixes[PlacementArgs] = field(default_factory=PlacementArgs)
+    """the nodes, their devices, and which serve inference (grpo/world.py)"""
     num_servers: int = 1
     """inference servers to start (each a process)"""
     trainer_processes: int = 1
@@ -276,10 +279,10 @@ class GRPOArgs(RunArgs):
     """the servers' weights: `auto` is bfloat16 on a GPU (as vLLM serves) and float32 on the CPU; float32 on a GPU
     makes on-policy ratios pi/mu exactly 1 (the trainer computes in float32), bfloat16 on the CPU shows what a GPU
     server's rounding does to them"""
-    weight_backend: WeightBackend = "gloo"
-    """how weight updates travel: `gloo` (CPU tensors, or GPU tensors through host memory; works
-    wherever the servers run, also on the trainer's own GPU) or `nccl` (GPU to GPU; only for servers
-    on other GPUs than the trainer's, e.g. `--servers` started on them: NCCL refuses two ranks on one GPU)"""
+    weight_backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """how weight updates travel: `gloo` (CPU tensors, or GPU tensors through host memory; works wherever the servers
+    run, also on the trainer's own GPU) or `nccl` (GPU to GPU; only for servers on other GPUs than the trainer's:
+    NCCL refuses two ranks on one GPU). `auto`: nccl where the map puts the servers on GPUs of their own, else gloo"""
     stream: str = ""
     """where samples go: empty = `<output_dir>/stream.jsonl`, or `redis://HOST:PORT/DB?stream=NAME`"""
     trainer_host: str = "127.0.0.1"
@@ -425,6 +428,12 @@ class GRPOArgs(RunArgs):
             self.schedule().problems_ahead()  # a fraction of a step the problems or requests cannot split: refused
         if self.token_budget < 1:
             raise UserError(f"--token-budget must be >= 1, got {self.token_budget}")
+
+    def sender_backend(self) -> WeightBackend:
+        """The weight backend the trainer sends with: `weight_backend`, whose `auto` the launcher resolves from the
+        map (`nodes.weight_backend_for`); a trainer started alone takes gloo for it, which works wherever the servers
+        run."""
+        return "gloo" if self.weight_backend == "auto" else self.weight_backend
 
     def check_weight_backend(self) -> None:
         """What the trainer's side needs (the launcher and the trainer check it; an actor sends no weights)."""

@@ -1,24 +1,29 @@
-"""One command for a GRPO run: inference servers, actor and trainer, each a process.
+"""One command for a GRPO run: inference servers, actor and trainer, each a process; the same command on every node.
 
     python -m lm_human_preference_details.grpo.launch --task tiny --mode pipeline --output-dir runs/grpo-tiny
     python -m lm_human_preference_details.grpo.launch --task tiny --mode sync --sync-steps 4 \\
         --output-dir runs/grpo-tiny-sync
 
-The run ends when the trainer has taken `--steps` optimizer steps. `--trainer-processes N` starts the trainer as N
-processes that shard the model with FSDP2 (over gloo on the CPU; the environment `accelerate launch --config_file
-configs/accelerate/fsdp2.yaml` would give them): the first sends the weights, logs and checkpoints, and one that
-fails ends the run. Every process it started is
-stopped when the run ends, when it fails, on Ctrl-C or SIGTERM, and (through a watchdog in each
-child) when the launcher itself is killed. A server that dies is tolerated while another serves;
-the actor retries its requests elsewhere. `--resume` continues from the last checkpoint.
-The trainer and the actor start with the servers and receive the servers' URLs once they serve.
+The run ends when the trainer has taken `--steps` optimizer steps. Where the processes go is the world map's
+(`grpo.world`): on one device the servers share it with the trainer; with several (`--inference-gpus`), servers
+run on devices of their own and the trainer is one process per remaining device, sharded with FSDP2 (over gloo on
+CPUs, NCCL on GPUs; the environment `accelerate launch --config_file configs/accelerate/fsdp2.yaml` would give
+them): the first sends the weights, logs and checkpoints, and one that fails ends the run. Over several nodes
+(`--nnodes`, or the scheduler's variables) each node's launcher starts its share of the map, and they meet through
+a TCPStore on node 0 (`grpo.rendezvous`); a node that fails or is killed ends the run on every node.
+
+Every process it started is stopped when the run ends, when it fails, on Ctrl-C or SIGTERM, and (through a
+watchdog in each child) when the launcher itself is killed. A server that dies is tolerated while another serves;
+the actor retries its requests elsewhere. `--resume` continues from the last checkpoint. The trainer and the actor
+start with the servers and receive the servers' URLs once they serve.
 
 `--engine` picks the servers: grpo/serving/server.py (`home`) or grpo/serving/vllm_server.py (`vllm`, in the vLLM
 environment); `auto` takes vLLM where its environment exists and a GPU is visible.
 
 Files in `--output-dir`: metrics.jsonl (one line per optimizer step), samples.jsonl, stream.jsonl
-(the samples the actor wrote), servers.json (each server's /metrics and engine at the end), logs/ (vLLM's caches
-and sockets too, in logs/vllm-server-N/).
+(the samples the actor wrote), world.json (the map, the servers' URLs), servers.json (each server's /metrics and
+engine at the end), logs/ (vLLM's caches and sockets too, in logs/vllm-server-N/). The last line printed sums the
+run up (`run_summary`).
 """
 
 import contextlib
@@ -38,7 +43,7 @@ from multiprocessing.connection import Connection
 from typing import Literal
 
 from lm_human_preference_details import cli, tracking
-from lm_human_preference_details.grpo import streams
+from lm_human_preference_details.grpo import nodes, rendezvous, streams
 from lm_human_preference_details.grpo.client import ServerError, ServerProcess, check_serving, request_json
 from lm_human_preference_details.grpo.config import PRESETS, GRPOArgs, get_preset, gpu_visible
 from lm_human_preference_details.grpo.lifetime import exit_now, exit_with_parent
@@ -83,33 +88,6 @@ def _role(
         exit_now(2)  # the trainer may have joined a gloo group, whose teardown at interpreter exit can abort
 
 
-FSDP2_ENVIRONMENT = {
-    "ACCELERATE_USE_FSDP": "true",
-    "FSDP_VERSION": "2",
-    "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
-    "FSDP_RESHARD_AFTER_FORWARD": "true",
-    "FSDP_OFFLOAD_PARAMS": "false",
-    "FSDP_CPU_RAM_EFFICIENT_LOADING": "false",
-    "FSDP_STATE_DICT_TYPE": "FULL_STATE_DICT",
-    "FSDP_ACTIVATION_CHECKPOINTING": "false",
-    "ACCELERATE_MIXED_PRECISION": "no",
-}
-"""what `accelerate launch --config_file configs/accelerate/fsdp2.yaml` gives each process of the trainer (a test
-keeps the two equal)"""
-
-
-def trainer_environments(processes: int) -> list[dict[str, str]]:
-    """The environment of each trainer process beyond the launcher's: none for one; for more, FSDP2's
-    (`FSDP2_ENVIRONMENT`) and each one's place in a process group of their own on this machine, as torchrun sets it."""
-    if processes == 1:
-        return [{}]
-    group = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(processes)}
-    return [
-        {**FSDP2_ENVIRONMENT, **group, "RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(processes)}
-        for rank in range(processes)
-    ]
-
-
 def free_port() -> int:
     """A port nothing listens on now (the OS handed it out and it was closed again)."""
     with socket.socket() as s:
@@ -146,10 +124,12 @@ class ServerEngine:
             )
         return model
 
-    def start(self, i: int, flags: list[str], log_file, env: dict | None = None) -> ServerProcess:
-        """Server `i` with `flags` (`server_flags`'), in `env` (default: this process's environment)."""
+    def start(
+        self, i: int, flags: list[str], log_file, env: dict | None = None, host: str = "127.0.0.1"
+    ) -> ServerProcess:
+        """Server `i` with `flags` (`server_flags`'), in `env` (default: this process's environment), at `host`."""
         if self.name == "home":
-            return ServerProcess(flags, log_file, env)
+            return ServerProcess(flags, log_file, env, host=host)
         from lm_human_preference_details.grpo.serving import vllm_env
 
         cache = os.path.abspath(os.path.join(self.output_dir, "logs", f"vllm-server-{i}"))
@@ -158,7 +138,7 @@ class ServerEngine:
             VLLM_CONFIG_ROOT=os.path.join(cache, "config"),
             VLLM_RPC_BASE_PATH=self._rpc(cache),
         )
-        return vllm_env.start_server([*flags, "--cache-dir", cache], log_file, env)
+        return vllm_env.start_server([*flags, "--cache-dir", cache], log_file, env, host)
 
     def _rpc(self, cache: str) -> str:
         """Where vLLM puts its ZeroMQ sockets: `<cache>/rpc`, named relative to the working directory when that is
@@ -198,12 +178,16 @@ def head_size(model_folder: str) -> int | None:
     return hidden // heads if hidden and heads else None
 
 
-def server_flags(args: GRPOArgs, model: str, version: int, i: int) -> list[str]:
-    """The flags of server `i` of a run (either engine's; benchmarks/grpo_speed.py starts its servers with them too)."""
+def server_flags(
+    args: GRPOArgs, model: str, version: int, i: int, threads: int | None = None, tensor_parallel: int = 1
+) -> list[str]:
+    """The flags of server `i` of a run (either engine's; benchmarks/grpo_speed.py starts its servers with them too):
+    `threads` (default: `GRPOArgs.torch_threads`), and for vLLM the GPUs it spans (`tensor_parallel`)."""
     return [
-        *("--model", model, "--threads", str(args.torch_threads("server"))),
+        *("--model", model, "--threads", str(threads or args.torch_threads("server"))),
         *("--seed", str(args.seed + i), "--max-batch-size", str(args.server_batch_size)),
         *("--version", str(version), "--exit-with-parent", "--dtype", args.server_dtype),
+        *(("--tensor-parallel-size", str(tensor_parallel)) if tensor_parallel > 1 else ()),
     ]
 
 
@@ -219,56 +203,87 @@ def last_error_line(log_path: str) -> str:
 
 
 class Run:
-    """The processes of one run; `stop` ends them all (SIGTERM, then SIGKILL after a grace period)."""
+    """This node's processes of one run; `stop` ends them all (SIGTERM, then SIGKILL after a grace period)."""
 
-    def __init__(self, args: GRPOArgs, engine: "ServerEngine | None" = None):
-        self.args = args
+    def __init__(self, args: GRPOArgs, plan: nodes.NodePlan, engine: "ServerEngine | None" = None, meeting=None):
+        """`meeting`: the other nodes' launchers (`rendezvous.Rendezvous`), None for a run on one node."""
+        self.args, self.plan, self.meeting = args, plan, meeting
         self.engine = engine or ServerEngine("home", args.output_dir)
         self.engines: dict[str, str] = {}  # URL: the engine of each server started here
         self.servers: list[subprocess.Popen] = []
         self.server_urls: list[str] = list(args.servers)
+        self.local_urls: dict[int, str] = {}  # the map's index: URL, of the servers this node started
         self.roles: dict[str, multiprocessing.Process] = {}
         self._send_server_urls: list[Connection] = []
         self.logs = os.path.join(args.output_dir, "logs")
         os.makedirs(self.logs, exist_ok=True)
-        # the control token of the servers started here, which the trainer sends: in the environment the children
-        # inherit, not in their argv (`ps` shows it to every user); one set already, for `--servers`, is kept
+        # the control token of the servers, which the trainer sends: in the environment the children inherit, not
+        # in their argv (`ps` shows it to every user); one set already, for `--servers` or by node 0, is kept
         os.environ.setdefault(TOKEN_ENV, secrets.token_hex(32))
 
     def start_servers(self, model: str, version: int) -> None:
-        started = []
-        for i in range(self.args.num_servers):
-            with open(os.path.join(self.logs, f"server-{i}.log"), "ab") as log_file:  # the child keeps its own handle
-                started.append(self.engine.start(i, server_flags(self.args, model, version, i), log_file))
-            self.servers.append(started[-1].process)
-        for i, server_process in enumerate(started):  # they load their models side by side
+        """This node's servers of the map, each on its devices, listening at the node's address."""
+        started = {}
+        the_map = self.plan.map
+        for server in the_map.servers_on(self.plan.rank):
+            flags = server_flags(
+                self.args,
+                model,
+                version,
+                server.index,
+                threads=nodes.server_threads(self.args, the_map, server),
+                tensor_parallel=len(server.devices) if not the_map.colocated else 1,
+            )
+            env = {**os.environ, **nodes.device_environment(the_map, list(server.devices))}
+            with open(self._server_log(server.index), "ab") as log_file:  # the child keeps its own handle
+                started[server.index] = self.engine.start(server.index, flags, log_file, env, self.plan.address)
+            self.servers.append(started[server.index].process)
+        for index, server_process in started.items():  # they load their models side by side
             try:
                 url = server_process.wait_until_serving(SERVER_START_TIMEOUT_S, self.check_roles_started)
             except RoleExited:
                 raise
             except RuntimeError as error:
-                log_path = os.path.join(self.logs, f"server-{i}.log")
-                said = last_error_line(log_path)
-                raise RuntimeError(f"server {i}: {error}{f' ({said})' if said else ''}; see {log_path}") from None
-            self.server_urls.append(url)
+                said = last_error_line(self._server_log(index))
+                raise RuntimeError(
+                    f"server {index}: {error}{f' ({said})' if said else ''}; see {self._server_log(index)}"
+                ) from None
+            self.local_urls[index] = url
             self.engines[url] = self.engine.name
-        log.info("servers up (%s): %s", self.engine.name, " ".join(self.server_urls))
+        if started:
+            log.info("servers up (%s): %s", self.engine.name, " ".join(self.local_urls.values()))
 
-    def start_roles(self, first_group: int) -> None:
-        """Start the trainer's processes (`trainer`, then `trainer-1`, ...) and the actor; they wait for
-        `send_server_urls`."""
+    def _server_log(self, index: int) -> str:
+        return os.path.join(self.logs, f"server-{index}.log")
+
+    def gather_server_urls(self) -> None:
+        """Every server's URL in the map's order: this node's, and through the rendezvous the other nodes'."""
+        if self.meeting is None:
+            self.server_urls += [self.local_urls[index] for index in sorted(self.local_urls)]
+            return
+        self.meeting.publish_servers(self.local_urls)
+        every = self.meeting.server_urls(len(self.plan.map.servers), while_waiting=self.check_roles_started)
+        self.server_urls = [every[index] for index in sorted(every)]
+
+    def start_roles(self, args: GRPOArgs, first_group: int, trainer_group: tuple[str, int]) -> None:
+        """Start this node's trainer processes (`trainer` for rank 0, then `trainer-1`, ...) with `args` (the roles'
+        own: `nodes.role_args`) in their group at `trainer_group` (address, port), and the actor on its node; they
+        wait for `send_server_urls`."""
         context = multiprocessing.get_context("spawn")
-        trainers = trainer_environments(self.args.trainer_processes)
-        roles = [("trainer" if rank == 0 else f"trainer-{rank}", env) for rank, env in enumerate(trainers)]
-        for name, environment in [*roles, ("actor", {})]:
+        trainers = nodes.trainer_environments(self.plan, *trainer_group)
+        roles = [("trainer" if rank == 0 else f"trainer-{rank}", env) for rank, env in trainers.items()]
+        if self.plan.rank == self.plan.map.actor_node:
+            roles.append(("actor", nodes.device_environment(self.plan.map, [])))
+        for name, environment in roles:
             receive, send = context.Pipe(duplex=False)
             self.roles[name] = context.Process(
-                target=_role, name=name, args=(name, self.args, receive, first_group, os.getpid(), environment)
+                target=_role, name=name, args=(name, args, receive, first_group, os.getpid(), environment)
             )
             self.roles[name].start()
             receive.close()  # the child's copy is the one that reads
             self._send_server_urls.append(send)
-        log.info("started %s", ", ".join(f"{name} (pid {process.pid})" for name, process in self.roles.items()))
+        if self.roles:
+            log.info("started %s", ", ".join(f"{name} (pid {process.pid})" for name, process in self.roles.items()))
 
     def send_server_urls(self) -> None:
         for send in self._send_server_urls:
@@ -283,20 +298,43 @@ class Run:
                 raise RoleExited(f"the {name} exited with status {process.exitcode} while the servers were loading")
 
     def wait(self) -> None:
-        """Until every trainer process is done; raises if one of them or the actor fails or every server is gone."""
+        """Until the run is over: node 0's trainer processes are done (on node 0, the trainer's rank 0; elsewhere,
+        node 0 says so). Raises if a trainer process or the actor fails, every server of this node is gone, or
+        (`rendezvous.NodeLost`) another node failed or went away."""
         while True:
-            trainers = {name: p for name, p in self.roles.items() if name != "actor"}
-            for name, process in trainers.items():
-                if process.exitcode not in (None, 0):
-                    raise RuntimeError(f"the {name} exited with status {process.exitcode}")
-            if all(process.exitcode == 0 for process in trainers.values()):
+            if self.meeting is not None:
+                self.meeting.check()
+            failure = self.local_failure()
+            if failure is not None:
+                raise self.explained(failure)
+            trainers = [p for name, p in self.roles.items() if name != "actor"]
+            finished = all(process.exitcode == 0 for process in trainers)
+            if finished and (self.plan.rank == 0 or self.meeting is None or self.meeting.node0_done):
                 return
-            actor_process = self.roles["actor"]
-            if actor_process.exitcode not in (None, 0):
-                raise RuntimeError(f"the actor exited with status {actor_process.exitcode}")
-            if self.servers and all(p.poll() is not None for p in self.servers):
-                raise RuntimeError(f"every server has exited; see {self.logs}")
             time.sleep(0.2)
+
+    def local_failure(self) -> str | None:
+        """What failed on this node: a trainer process or the actor, or every server."""
+        for name, process in self.roles.items():
+            if process.exitcode not in (None, 0):
+                return f"the {name} exited with status {process.exitcode}"
+        if self.servers and all(p.poll() is not None for p in self.servers):
+            return f"every server{' of this node' if self.meeting else ''} has exited; see {self.logs}"
+        return None
+
+    def explained(self, failure: str) -> Exception:
+        """A failure on this node, or (`NodeLost`) the other node's whose loss caused it: a trainer whose servers
+        on a killed node vanish fails before that node is missed, so the rendezvous is given time to tell."""
+        if self.meeting is None:
+            return RuntimeError(failure)
+        deadline = time.monotonic() + rendezvous.SILENCE_LIMIT_S + 2 * rendezvous.HEARTBEAT_S
+        while time.monotonic() < deadline:
+            try:
+                self.meeting.check()
+            except rendezvous.NodeLost as lost:
+                return lost
+            time.sleep(0.2)
+        return RuntimeError(f"node {self.plan.rank}: {failure}")
 
     def save_server_metrics(self) -> None:
         metrics = {}
@@ -337,16 +375,82 @@ class Run:
 
 
 def launch(args: GRPOArgs) -> None:
-    """Start everything, run to the last step, stop everything (also on failure or a signal)."""
+    """Start this node's part of the run, run to the last step, stop everything (also on failure or a signal)."""
     args.check()
-    if args.weight_backend == "nccl" and not args.servers:
-        raise cli.UserError(
-            "--weight-backend nccl: the servers this launcher starts share the trainer's GPU, where NCCL "
-            "refuses two ranks; use --weight-backend gloo, or start servers on other GPUs and pass --servers"
-        )
-    args.check_weight_backend()
+    plan = nodes.plan_node(args)
     engine = None if args.servers else ServerEngine(args.server_engine(), args.output_dir)  # the one place it is chosen
-    os.makedirs(args.output_dir, exist_ok=True)
+    if engine is not None and engine.name == "home" and plan.map.servers and len(plan.map.servers[0].devices) > 1:
+        raise cli.UserError(
+            f"--server-tensor-parallel {len(plan.map.servers[0].devices)}: the home server runs on one device; "
+            "use --engine vllm"
+        )
+    if not plan.map.colocated:
+        log.info("node %d of %d (%s):\n%s", plan.rank, plan.node.nnodes, plan.node.source, plan.map.table())
+    meeting = meet(args, plan) if plan.multi_node else None
+    run = None
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops the children
+    # Ctrl-C too, even when started in the background by a shell, which leaves SIGINT ignored
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
+    ok = False
+    try:
+        os.makedirs(args.output_dir, exist_ok=True)
+        start = start_of_run(args, plan, engine, meeting)
+        os.environ[TOKEN_ENV] = start.control_token
+        run = Run(args, plan, engine, meeting)
+        if meeting is not None:
+            meeting.watch()
+        trainer_host = meeting.hellos[0].address if meeting is not None else plan.address
+        run.start_roles(
+            nodes.role_args(args, plan, trainer_host),
+            first_group=start.version * args.groups_per_step(),  # they load while the servers do
+            trainer_group=(trainer_host, start.trainer_port),
+        )
+        if not args.servers:
+            run.start_servers(engine.model_for_servers(start.model) if plan.rank else start.model, start.version)
+        run.gather_server_urls()
+        if plan.rank == 0:
+            world_file(args, plan, start, run.server_urls)
+        run.send_server_urls()
+        run.wait()
+        if plan.rank == 0:
+            run.save_server_metrics()
+            print(run_summary(args.output_dir, plan, servers=len(run.server_urls)), flush=True)
+        ok = True
+    except BaseException as error:
+        if meeting is not None and not isinstance(error, rendezvous.NodeLost):
+            why = "stopped by a signal" if isinstance(error, (SystemExit, KeyboardInterrupt)) else str(error)
+            meeting.fail(f"node {plan.rank} ({meeting.roles[plan.rank]}): {why}")
+        raise
+    finally:
+        if run is not None:
+            run.stop()
+        if meeting is not None:
+            meeting.part(ok)
+        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
+
+
+def meet(args: GRPOArgs, plan: nodes.NodePlan) -> rendezvous.Rendezvous:
+    """Meet the other nodes' launchers at node 0's store; they must have built the same map."""
+    the_map = plan.map
+    roles = {node: the_map.roles_of(node) for node in range(plan.node.nnodes)}
+    meeting = rendezvous.Rendezvous(
+        plan.rank, plan.node.nnodes, plan.node.master_addr, plan.node.master_port, roles, args.placement.join_timeout_s
+    )
+    try:
+        meeting.meet(rendezvous.NodeHello(plan.rank, the_map.digest(), plan.address))
+    except rendezvous.RendezvousError as error:
+        raise cli.UserError(str(error)) from None
+    return meeting
+
+
+def start_of_run(args: GRPOArgs, plan: nodes.NodePlan, engine, meeting) -> rendezvous.RunStart:
+    """Node 0 decides (resumed or new, the weights version, the servers' model) and empties or truncates the stream
+    before any other node starts anything; the others wait for its word, and check that they see its folder."""
+    if plan.rank != 0:
+        start = meeting.run_start()
+        nodes.check_shared_folder(args, plan, start.run_id)
+        return start
     where = streams.parse_stream_url(args.stream_url())
     if args.resume and isinstance(where, streams.RedisStreamUrl) and where.maxlen is not None:
         # a checkpoint's stream position counts records from the stream's first; trimming shifts that count
@@ -357,7 +461,9 @@ def launch(args: GRPOArgs) -> None:
     if args.resume:
         from lm_human_preference_details.grpo import checkpoints  # torch: only to resume
 
-        state, model = checkpoints.checkpoint_state(args), checkpoints.checkpoint_model(args.output_dir)
+        # the checkpoint holds the settings its trainer ran with: the map's counts of its processes
+        state = checkpoints.checkpoint_state(nodes.role_args(args, plan, plan.address))
+        model = checkpoints.checkpoint_model(args.output_dir)
     else:
         tracking.refuse_to_overwrite(args.output_dir, resumable=True)  # before the stream is emptied or anything starts
         state, model = {"version": 0, "stream_position": 0}, args.model
@@ -370,21 +476,49 @@ def launch(args: GRPOArgs) -> None:
     dropped = streams.truncate(args.stream_url(), state["stream_position"])
     if dropped:
         log.info("starting at step %d: %d groups of the stream dropped", version, dropped)
-    run = Run(args, engine)
-    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops the children
-    # Ctrl-C too, even when started in the background by a shell, which leaves SIGINT ignored
-    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        run.start_roles(first_group=version * args.groups_per_step())  # they load while the servers do
-        if not args.servers:
-            run.start_servers(model, version)
-        run.send_server_urls()
-        run.wait()
-        run.save_server_metrics()
-    finally:
-        run.stop()
-        signal.signal(signal.SIGTERM, previous)
-        signal.signal(signal.SIGINT, previous_int)
+    start = rendezvous.RunStart(
+        version=version,
+        model=model,
+        control_token=os.environ.get(TOKEN_ENV) or secrets.token_hex(32),
+        trainer_port=free_port(),
+        run_id=secrets.token_hex(8),
+    )
+    world_file(args, plan, start, [])
+    if meeting is not None:
+        meeting.announce(start)
+    return start
+
+
+def run_summary(output_dir: str, plan: nodes.NodePlan, servers: int) -> str:
+    """The run in one line, the launcher's last: how the mean reward moved (the first fifth of the steps against the
+    last), the mean lag, and where the run ran."""
+    rows = tracking.read_metrics(os.path.join(output_dir, "metrics.jsonl"))
+    fifth = max(1, len(rows) // 5)
+
+    def mean(key: str, part: list[dict]) -> float:
+        return sum(row[key] for row in part) / len(part)
+
+    return (
+        f"reward/mean {mean('reward/mean', rows[:fifth]):.3f} -> {mean('reward/mean', rows[-fifth:]):.3f} "
+        f"(first fifth -> last fifth), lag {mean('lag/mean', rows):.2f}, nodes {plan.node.nnodes}, "
+        f"servers {servers}, trainer processes {len(plan.map.trainers)}"
+    )
+
+
+def world_file(args: GRPOArgs, plan: nodes.NodePlan, start: rendezvous.RunStart, server_urls: list[str]) -> None:
+    """`world.json` in the run folder: the map, the nodes, the servers' URLs once known, and the run's id (a node
+    beyond 0 that reads it sees node 0's folder)."""
+    record = {
+        "run_id": start.run_id,
+        "map": plan.map.to_json(),
+        "servers": server_urls,
+        "nodes": plan.node.nnodes,
+        "master": f"{plan.node.master_addr}:{plan.node.master_port}",
+    }
+    with open(os.path.join(args.output_dir, "world.json"), "w") as f:
+        json.dump(record, f, indent=2)
+    if server_urls and not plan.map.colocated:
+        log.info("the run's processes:\n%s", plan.map.table(dict(enumerate(server_urls))))
 
 
 @cli.main_with_user_errors

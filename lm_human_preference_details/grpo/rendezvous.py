@@ -170,6 +170,8 @@ class Rendezvous:
         while not self.store.check([key]):
             while_waiting()
             self.check()
+            if self.store.check(["failed"]):  # before `watch` listens: a node that failed on its way in
+                raise NodeLost(self.store.get("failed").decode())
             if time.monotonic() > deadline:
                 raise RendezvousError(f"node 0 did not say how to start within {self.timeout_s:.0f} s")
             time.sleep(0.1)

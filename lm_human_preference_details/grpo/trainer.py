@@ -589,7 +589,9 @@ class ServerUpdates:
     def __init__(self, args: GRPOArgs, server_urls: list[str], sends: bool = True):
         self.args = args
         self.schedule = args.schedule()
-        self.sender = WeightSender(server_urls, backend=args.weight_backend, host=args.trainer_host) if sends else None
+        self.sender = (
+            WeightSender(server_urls, backend=args.sender_backend(), host=args.trainer_host) if sends else None
+        )
         # weights go out in the servers' dtype (bf16 on GPUs): they check it before receiving
         self.dtype = served_dtype(server_urls[0]) if sends else None
 

@@ -58,6 +58,9 @@ class PlacementArgs:
     device: Device = "auto"
     """`cuda`, or `cpu` (CPU slots stand in for GPUs, so the same map runs without one); `auto`: cuda where a GPU
     is visible, else cpu"""
+    join_timeout_s: float = 600.0
+    """how long node 0 waits for the other nodes to join (and they for node 0) before the run stops, naming the
+    node missing"""
 
 
 # ----------------------------------------------------------------------------- this node
@@ -253,6 +256,19 @@ class WorldMap:
 
     def trainers_on(self, node: int) -> tuple[TrainerProcess, ...]:
         return tuple(trainer for trainer in self.trainers if trainer.node == node)
+
+    def roles_of(self, node: int) -> str:
+        """What `node` runs, in words (`servers 0-3`, `trainer ranks 0-7, actor, rendezvous`): the lines that name a
+        lost node say it."""
+        servers, trainers = self.servers_on(node), self.trainers_on(node)
+        roles = [f"server{'s' if len(servers) > 1 else ''} {span(s.index for s in servers)}"] if servers else []
+        if trainers:
+            roles.append(f"trainer rank{'s' if len(trainers) > 1 else ''} {span(t.rank for t in trainers)}")
+        if node == self.actor_node:
+            roles.append("actor")
+        if node == 0:
+            roles.append("rendezvous")
+        return ", ".join(roles)
 
     def to_json(self) -> dict:
         """The map as JSON values, tuples as lists (world.json in the run folder)."""

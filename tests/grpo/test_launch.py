@@ -95,9 +95,10 @@ class Launched:
     started: ClassVar[list["Launched"]] = []
     """every launcher of the test running: the `no_launcher_left_behind` fixture kills what is left"""
 
-    def __init__(self, output_dir, *flags, cwd=None):
+    def __init__(self, output_dir, *flags, cwd=None, log_path=None):
+        """`log_path`: where its output goes (default: beside the output folder, named after it)."""
         self.output_dir = str(output_dir)
-        self.log_path = os.path.join(self.output_dir + ".log")
+        self.log_path = log_path or os.path.join(self.output_dir + ".log")
         self.log = open(self.log_path, "wb")
         self.process = subprocess.Popen(
             LAUNCH + ["--output-dir", self.output_dir, *flags], stdout=self.log, stderr=subprocess.STDOUT, cwd=cwd
@@ -394,7 +395,7 @@ def test_chat_prompts_go_one_request_per_problem_through_the_chat_template_after
         ),
         (
             ["--weight-backend", "nccl"],
-            "error: --weight-backend nccl: the servers this launcher starts share the trainer's GPU",
+            "error: --weight-backend nccl sends GPU tensors and this run is on CPUs: use --weight-backend gloo",
         ),
         (["--threads", "-1"], "error: --threads must be >= 0, got -1"),
         (["--trainer-processes", "0"], "error: --trainer-processes must be >= 1, got 0"),

@@ -150,7 +150,8 @@ def test_the_trainer_processes_get_the_environment_of_the_fsdp2_config():
     """What `accelerate launch --config_file configs/accelerate/fsdp2.yaml` sets from the config's fsdp_config."""
     import yaml
 
-    from lm_human_preference_details.grpo.launch import FSDP2_ENVIRONMENT, trainer_environments
+    from lm_human_preference_details.grpo import world
+    from lm_human_preference_details.grpo.nodes import FSDP2_ENVIRONMENT, NodePlan, trainer_environments
 
     with open(os.path.join(CONFIGS, "fsdp2.yaml")) as f:
         config = yaml.safe_load(f)
@@ -163,10 +164,16 @@ def test_the_trainer_processes_get_the_environment_of_the_fsdp2_config():
         "ACCELERATE_MIXED_PRECISION": config["mixed_precision"],
         **from_config,
     }
-    first, second = trainer_environments(2)
+
+    def plan(trainer_processes: int) -> NodePlan:
+        the_map = world.build_world_map(1, 1, "cpu", "", 1, trainer_processes=trainer_processes)
+        return NodePlan(world.Node(1, 0, "127.0.0.1", 29500, "default"), the_map, "gloo", "127.0.0.1")
+
+    first, second = trainer_environments(plan(2), "127.0.0.1", 1234).values()
     assert (first["RANK"], second["RANK"], first["WORLD_SIZE"]) == ("0", "1", "2")
-    assert first["MASTER_PORT"] == second["MASTER_PORT"] and first.items() >= FSDP2_ENVIRONMENT.items()
-    assert trainer_environments(1) == [{}]  # one process: the trainer as it always was
+    assert first["MASTER_PORT"] == second["MASTER_PORT"] == "1234" and first.items() >= FSDP2_ENVIRONMENT.items()
+    # one process: the trainer as it always was, on the CPU
+    assert trainer_environments(plan(1), "127.0.0.1", 1234) == {0: {"CUDA_VISIBLE_DEVICES": ""}}
 
 
 def test_a_trainer_of_several_processes_started_as_one_says_how_to_start_it():

@@ -179,7 +179,7 @@ def test_a_rendezvous_that_never_comes_is_a_clear_error_and_does_not_hold_up_shu
 
 
 def test_control_endpoints_require_the_token_the_launcher_gives(model_dir, tmp_path, monkeypatch):
-    from lm_human_preference_details.grpo import config, launch
+    from lm_human_preference_details.grpo import config, launch, nodes
 
     monkeypatch.setenv(TOKEN_ENV, "")  # recorded, so that the launcher's token is gone again after the test
     monkeypatch.delenv(TOKEN_ENV)
@@ -194,7 +194,7 @@ def test_control_endpoints_require_the_token_the_launcher_gives(model_dir, tmp_p
 
     args = config.get_preset("tiny")
     args.output_dir = str(tmp_path / "run")
-    launch.Run(args)
+    launch.Run(args, nodes.plan_node(args))
     token = os.environ[TOKEN_ENV]  # set by the launcher's Run for the servers and the trainer it starts
     assert len(token) >= 32
     server = start_home_server(model_dir, tmp_path / "server.log")  # inherits it, as the launcher's servers do

@@ -333,3 +333,9 @@ def test_node_devices_are_the_gpus_visible_or_the_slots_asked_for(dev_dir, args,
 def test_devices_that_are_not_there_are_refused(dev_dir, args, environ, message):
     with pytest.raises(UserError, match=message):
         node_devices(args, environ, dev_dir)
+
+
+def test_roles_of_a_node_in_words():
+    the_map = build_world_map(2, 8, "cuda", "6", 1)  # node 1: servers 0-5 and trainer ranks 8-9
+    assert the_map.roles_of(0) == "trainer ranks 0-7, actor, rendezvous"
+    assert the_map.roles_of(1) == "servers 0-5, trainer ranks 8-9"

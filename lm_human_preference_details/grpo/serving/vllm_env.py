@@ -72,14 +72,14 @@ def server_command(python: str | os.PathLike | None = None) -> list[str]:
     return [str(python), "-m", "lm_human_preference_details.grpo.serving.vllm_server"]
 
 
-def start_server(flags: list[str], log_file, env: dict | None = None):
-    """`grpo.client.ServerProcess`, running the vLLM server in its environment (127.0.0.1, a port the OS picks)."""
+def start_server(flags: list[str], log_file, env: dict | None = None, host: str = "127.0.0.1"):
+    """`grpo.client.ServerProcess`, running the vLLM server in its environment (at `host`, a port the OS picks)."""
     from lm_human_preference_details.grpo.client import ServerProcess
 
     env = dict(os.environ if env is None else env)
     # this checkout's package, whichever the environment's .pth names; and nothing of the caller's environment
     env["PYTHONPATH"] = str(REPO_ROOT)
-    return ServerProcess(flags, log_file, env, command=server_command())
+    return ServerProcess(flags, log_file, env, command=server_command(), host=host)
 
 
 def _run(cmd: list[str]) -> None:

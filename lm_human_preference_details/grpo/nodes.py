@@ -1,0 +1,206 @@
+"""What this node's launcher runs, from the world map (`grpo.world`), and the environment of each process it starts.
+
+One node with one device keeps the colocated layout (servers and trainer share it). Otherwise the map gives each
+inference server its devices and each trainer process one device; a process on a GPU sees only its own
+(`CUDA_VISIBLE_DEVICES`), a CPU stand-in gets its slot's share of the node's cores. The trainer's processes form one
+torch.distributed group across the nodes, at node 0's address, as torchrun would describe it to them.
+"""
+
+import os
+import socket
+from dataclasses import dataclass, replace
+
+from lm_human_preference_details.cli import UserError
+from lm_human_preference_details.grpo import streams, world
+from lm_human_preference_details.grpo.config import GRPOArgs
+from lm_human_preference_details.grpo.protocol import WeightBackend
+
+FSDP2_ENVIRONMENT = {
+    "ACCELERATE_USE_FSDP": "true",
+    "FSDP_VERSION": "2",
+    "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
+    "FSDP_RESHARD_AFTER_FORWARD": "true",
+    "FSDP_OFFLOAD_PARAMS": "false",
+    "FSDP_CPU_RAM_EFFICIENT_LOADING": "false",
+    "FSDP_STATE_DICT_TYPE": "FULL_STATE_DICT",
+    "FSDP_ACTIVATION_CHECKPOINTING": "false",
+    "ACCELERATE_MIXED_PRECISION": "no",
+}
+"""what `accelerate launch --config_file configs/accelerate/fsdp2.yaml` gives each process of the trainer (a test
+keeps the two equal)"""
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """This node's place in the run, and what every process of the run will be told."""
+
+    node: world.Node
+    map: world.WorldMap
+    weight_backend: WeightBackend
+    address: str  # where this node's servers listen, as the other nodes reach it
+
+    @property
+    def rank(self) -> int:
+        return self.node.node_rank
+
+    @property
+    def multi_node(self) -> bool:
+        return self.node.nnodes > 1
+
+    def runs_trainer(self) -> bool:
+        return bool(self.map.trainers_on(self.rank))
+
+
+def plan_node(args: GRPOArgs, environ=os.environ) -> NodePlan:
+    """This node's plan, or a UserError naming the flag and the fix, before anything starts."""
+    placement = args.placement
+    node = world.locate_node(placement, environ)
+    device, per_node = world.node_devices(placement, environ)
+    the_map = world.build_world_map(
+        node.nnodes,
+        per_node,
+        device,
+        placement.inference_gpus,
+        placement.server_tensor_parallel,
+        args.num_servers,
+        args.trainer_processes,
+    )
+    if args.servers and not the_map.colocated:
+        raise UserError(
+            "--servers: servers started by hand serve one node's colocated layout; with several devices or nodes "
+            "the launcher starts the servers the map places (leave --servers out)"
+        )
+    plan = NodePlan(node, the_map, weight_backend_for(args, the_map), address_toward(node.master_addr))
+    check_stream(args, plan)
+    return plan
+
+
+def weight_backend_for(args: GRPOArgs, the_map: world.WorldMap) -> WeightBackend:
+    """`--weight-backend` with `auto` resolved: NCCL from the trainer's GPU to servers on GPUs of their own, gloo on
+    CPUs and on a shared GPU (NCCL refuses two ranks on one GPU). A UserError for NCCL where it cannot run."""
+    if args.weight_backend == "auto":
+        return "nccl" if the_map.device == "cuda" and not the_map.colocated else "gloo"
+    if args.weight_backend == "nccl" and the_map.device == "cpu":
+        raise UserError("--weight-backend nccl sends GPU tensors and this run is on CPUs: use --weight-backend gloo")
+    if args.weight_backend == "nccl" and the_map.colocated and not args.servers:
+        raise UserError(
+            "--weight-backend nccl: the servers this launcher starts share the trainer's GPU, where NCCL refuses two "
+            "ranks; use --weight-backend gloo, or give the run more GPUs (--inference-gpus) or --servers on others"
+        )
+    return args.weight_backend
+
+
+def check_stream(args: GRPOArgs, plan: NodePlan) -> None:
+    """A stream every trainer process can read: on another node, a Redis stream at an address it reaches."""
+    if not any(t.node != 0 for t in plan.map.trainers):
+        return
+    where = streams.parse_stream_url(args.stream_url())
+    if isinstance(where, streams.RedisStreamUrl) and is_loopback(where.host) and not is_loopback(plan.node.master_addr):
+        raise UserError(
+            f"--stream {args.stream}: trainer processes on other nodes read the stream, and {where.host} is this "
+            "node's loopback: give node 0's address"
+        )
+
+
+def check_shared_folder(args: GRPOArgs, plan: NodePlan, run_id: str) -> None:
+    """On a node beyond 0: a UserError unless this node sees node 0's run folder, where it is needed (a file stream
+    its trainer processes read, checkpoints a resumed run loads); node 0 wrote `world.json` with `run_id` there."""
+    seen = world_file_run_id(args.output_dir) == run_id
+    if seen or not (plan.runs_trainer() or args.resume):
+        return
+    why = "the checkpoint to resume from" if args.resume else "the trainer's files"
+    if plan.runs_trainer() and isinstance(streams.parse_stream_url(args.stream_url()), streams.FileStreamUrl):
+        why = "the stream file (or use --stream redis://NODE0:PORT)"
+    raise UserError(
+        f"--output-dir {args.output_dir}: node {plan.rank} does not see node 0's run folder, which holds {why}: give "
+        "every node the same shared folder"
+    )
+
+
+def world_file_run_id(output_dir: str) -> str | None:
+    import json
+
+    try:
+        with open(os.path.join(output_dir, "world.json")) as f:
+            return json.load(f).get("run_id")
+    except (OSError, ValueError):
+        return None
+
+
+def address_toward(master_addr: str) -> str:
+    """This node's address on the way to node 0 (where its servers listen for the others): the source address the
+    kernel picks for a packet to `master_addr` (no packet is sent); loopback when node 0 is this machine's loopback."""
+    if is_loopback(master_addr):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((master_addr, 9))
+        except OSError as error:
+            raise UserError(f"--master-addr {master_addr}: no route to it from this node ({error})") from None
+        return probe.getsockname()[0]
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return all(ipaddress.ip_address(info[4][0]).is_loopback for info in socket.getaddrinfo(host, None))
+    except (OSError, ValueError):
+        return False
+
+
+def role_args(args: GRPOArgs, plan: NodePlan, trainer_host: str) -> GRPOArgs:
+    """The arguments the trainer's processes and the actor run with: the map's counts of servers and trainer
+    processes, the resolved weight backend, node 0's address for the weight groups, and a CPU stand-in's threads."""
+    the_map = plan.map
+    resolved = replace(args, weight_backend=plan.weight_backend)
+    if the_map.colocated:
+        return resolved
+    threads = args.threads
+    if the_map.device == "cpu" and not threads:
+        threads = world.threads_per_device(usable_cores(), the_map.devices_per_node)
+    return replace(
+        resolved,
+        num_servers=len(the_map.servers),
+        trainer_processes=len(the_map.trainers),
+        trainer_host=trainer_host,
+        threads=threads,
+    )
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def trainer_environments(plan: NodePlan, master_addr: str, master_port: int) -> dict[int, dict[str, str]]:
+    """Each of this node's trainer processes' environment beyond the launcher's, by global rank: none for a trainer
+    of one process; for more, FSDP2's (`FSDP2_ENVIRONMENT`) and its place in the group, as torchrun sets it."""
+    the_map = plan.map
+    mine = plan.map.trainers_on(plan.rank)
+    devices = device_environment(the_map, [t.device for t in mine])
+    if len(the_map.trainers) == 1:
+        return {t.rank: devices for t in mine}
+    group = {"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port), "WORLD_SIZE": str(len(the_map.trainers))}
+    local = {"LOCAL_WORLD_SIZE": str(len(mine)), "GROUP_RANK": str(plan.rank)}
+    return {
+        t.rank: {**FSDP2_ENVIRONMENT, **group, **local, **devices, "RANK": str(t.rank), "LOCAL_RANK": str(i)}
+        for i, t in enumerate(mine)
+    }
+
+
+def device_environment(the_map: world.WorldMap, devices: list[int]) -> dict[str, str]:
+    """Which GPUs a process sees: its own (the map's), none on CPUs, and all of them in the colocated layout."""
+    if the_map.device == "cpu":
+        return {"CUDA_VISIBLE_DEVICES": ""}
+    if the_map.colocated:
+        return {}
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")  # the map's indices count the GPUs this launcher was given
+    physical = visible.split(",") if visible else [str(i) for i in range(the_map.devices_per_node)]
+    return {"CUDA_VISIBLE_DEVICES": ",".join(physical[d] for d in devices)}
+
+
+def server_threads(args: GRPOArgs, the_map: world.WorldMap, server: world.Server) -> int:
+    """A server's CPU threads: `--threads`, the colocated layout's share, or its devices' share of a CPU stand-in."""
+    if args.threads or the_map.colocated or the_map.device == "cuda":
+        return args.torch_threads("server")
+    return world.threads_per_device(usable_cores(), the_map.devices_per_node) * len(server.devices)

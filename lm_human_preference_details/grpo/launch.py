@@ -378,6 +378,7 @@ def launch(args: GRPOArgs) -> None:
     """Start this node's part of the run, run to the last step, stop everything (also on failure or a signal)."""
     args.check()
     plan = nodes.plan_node(args)
+    agent_store = nodes.forget_placement_variables()  # read: the children get their own
     engine = None if args.servers else ServerEngine(args.server_engine(), args.output_dir)  # the one place it is chosen
     if engine is not None and engine.name == "home" and plan.map.servers and len(plan.map.servers[0].devices) > 1:
         raise cli.UserError(
@@ -386,7 +387,7 @@ def launch(args: GRPOArgs) -> None:
         )
     if not plan.map.colocated:
         log.info("node %d of %d (%s):\n%s", plan.rank, plan.node.nnodes, plan.node.source, plan.map.table())
-    meeting = meet(args, plan) if plan.multi_node else None
+    meeting = meet(args, plan, agent_store) if plan.multi_node else None
     run = None
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops the children
     # Ctrl-C too, even when started in the background by a shell, which leaves SIGINT ignored
@@ -430,12 +431,19 @@ def launch(args: GRPOArgs) -> None:
         signal.signal(signal.SIGINT, previous_int)
 
 
-def meet(args: GRPOArgs, plan: nodes.NodePlan) -> rendezvous.Rendezvous:
-    """Meet the other nodes' launchers at node 0's store; they must have built the same map."""
+def meet(args: GRPOArgs, plan: nodes.NodePlan, agent_store: bool) -> rendezvous.Rendezvous:
+    """Meet the other nodes' launchers at node 0's store (or torchrun's, `agent_store`); they must have built the
+    same map."""
     the_map = plan.map
     roles = {node: the_map.roles_of(node) for node in range(plan.node.nnodes)}
     meeting = rendezvous.Rendezvous(
-        plan.rank, plan.node.nnodes, plan.node.master_addr, plan.node.master_port, roles, args.placement.join_timeout_s
+        plan.rank,
+        plan.node.nnodes,
+        plan.node.master_addr,
+        plan.node.master_port,
+        roles,
+        args.placement.join_timeout_s,
+        agent_store,
     )
     try:
         meeting.meet(rendezvous.NodeHello(plan.rank, the_map.digest(), plan.address))

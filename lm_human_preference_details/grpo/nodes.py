@@ -75,6 +75,23 @@ def plan_node(args: GRPOArgs, environ=os.environ) -> NodePlan:
     return plan
 
 
+PLACEMENT_VARIABLES = (
+    *("RANK", "NODE_RANK", "GROUP_RANK", "LOCAL_RANK", "ROLE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"),
+    *("GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT"),
+)
+"""what torchrun or a PyTorchJob tells the launcher of its place, which no child may take for its own"""
+
+
+def forget_placement_variables(environ=os.environ) -> bool:
+    """Drop the variables that placed this launcher (`PLACEMENT_VARIABLES`, torchrun's `TORCHELASTIC_*`): a trainer
+    process is given its own (`trainer_environments`), and a server or the actor none. Returns whether torchrun's
+    agent holds a store at MASTER_PORT already, which the rendezvous then uses."""
+    agent_store = environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    for name in [*PLACEMENT_VARIABLES, *(name for name in environ if name.startswith("TORCHELASTIC_"))]:
+        environ.pop(name, None)
+    return agent_store
+
+
 def weight_backend_for(args: GRPOArgs, the_map: world.WorldMap) -> WeightBackend:
     """`--weight-backend` with `auto` resolved: NCCL from the trainer's GPU to servers on GPUs of their own, gloo on
     CPUs and on a shared GPU (NCCL refuses two ranks on one GPU). A UserError for NCCL where it cannot run."""

@@ -80,9 +80,17 @@ class Rendezvous:
     """This launcher's side of the meeting; node 0's holds the store."""
 
     def __init__(
-        self, node_rank: int, nnodes: int, master_addr: str, master_port: int, roles: dict[int, str], timeout_s: float
+        self,
+        node_rank: int,
+        nnodes: int,
+        master_addr: str,
+        master_port: int,
+        roles: dict[int, str],
+        timeout_s: float,
+        agent_store: bool = False,
     ):
-        """`roles`: what each node runs, in words, for the lines that name a lost node (`describe_roles`)."""
+        """`roles`: what each node runs, in words, for the lines that name a lost node (`WorldMap.roles_of`).
+        `agent_store`: torchrun's agent on node 0 already holds a store at the address (every launcher connects)."""
         self.node_rank, self.nnodes, self.roles = node_rank, nnodes, roles
         self.host, self.port, self.where = master_addr, master_port, f"{master_addr}:{master_port}"
         self.timeout_s = timeout_s
@@ -90,18 +98,19 @@ class Rendezvous:
         self._node0_done = False
         self._stop = threading.Event()
         self.hellos: dict[int, NodeHello] = {}  # once met: node 0's (every node's, on node 0)
-        self.store = self._connect(is_master=node_rank == 0)
+        self.store = self._connect(is_master=node_rank == 0 and not agent_store)
 
-    def _connect(self, is_master: bool, timeout_s: float | None = None):
+    def _connect(self, is_master: bool):
+        """A connection to the store (node 0's launcher: the store itself), its keys under `grpo/`."""
         import torch.distributed as dist  # torch: only for a run over several nodes
 
         try:
-            return dist.TCPStore(
+            store = dist.TCPStore(
                 self.host,
                 self.port,
                 self.nnodes,
                 is_master,
-                timeout=datetime.timedelta(seconds=timeout_s or self.timeout_s),
+                timeout=datetime.timedelta(seconds=self.timeout_s),
                 wait_for_workers=False,
             )
         except (RuntimeError, OSError) as error:  # DistNetworkError, DistStoreError: both RuntimeErrors
@@ -110,9 +119,10 @@ class Rendezvous:
                     f"node 0 cannot listen at {self.where} for the other nodes ({error}): pass a free --master-port"
                 ) from None
             raise RendezvousError(
-                f"node 0's rendezvous at {self.where} did not answer within {timeout_s or self.timeout_s:.0f} s "
+                f"node 0's rendezvous at {self.where} did not answer within {self.timeout_s:.0f} s "
                 f"({error}): start node 0 with the same --master-addr and --master-port"
             ) from None
+        return dist.PrefixStore("grpo", store)
 
     def meet(self, hello: NodeHello) -> dict[int, NodeHello]:
         """Say hello and wait for every node's; RendezvousError naming a node that did not join within the timeout or

@@ -110,3 +110,10 @@ def test_the_roles_run_with_the_maps_counts_and_node_0s_address(monkeypatch):
     assert (resolved.weight_backend, resolved.threads) == ("gloo", 4)  # a slot's share of 8 cores
     colocated = nodes.role_args(GRPOArgs(num_servers=3), plan_of(1, 1, "cpu", ""), trainer_host="10.0.0.1")
     assert (colocated.num_servers, colocated.trainer_host, colocated.threads) == (3, "127.0.0.1", 0)
+
+
+def test_the_launchers_placement_is_not_passed_on_to_its_children():
+    environ = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_PORT": "29500", "TORCHELASTIC_USE_AGENT_STORE": "True", "A": "b"}
+    assert nodes.forget_placement_variables(environ) is True  # torchrun's agent holds the store
+    assert environ == {"A": "b"}
+    assert nodes.forget_placement_variables({"WORLD_SIZE": "2"}) is False

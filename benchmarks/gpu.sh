@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The speed tables of ppo_speed.py and grpo_speed.py on a lent GPU machine, in one prepared run of
-# about 7 minutes, written to $OUT: each table's results.md and results.json, and this run's log.
+# about 7 minutes, written to $OUT: each table's results.md and results.json, the world map of a short
+# GRPO launch (world_map/results.json; its summary line is in the log), and this run's log.
 #
 # Here, once:  bash benchmarks/gpu_wheels.sh       # what the GPU image lacks, as wheels in .whl/
 # Then, with the device tool:  run(command="bash benchmarks/gpu.sh", carry=[".whl"], timeout_s=480)
@@ -112,8 +113,20 @@ run_table() {  # NAME SECONDS COMMAND...: one table under its own time limit; on
 run_table ppo_speed "${limits[0]}" python3 benchmarks/ppo_speed.py --device "$device" --out-dir "$out/ppo_speed" $trl "${ppo[@]}"
 run_table grpo_speed "${limits[1]}" python3 benchmarks/grpo_speed.py --device "$device" --out-dir "$out/grpo_speed" --update-models tiny-math \
     $trl116 "${grpo[@]}"
+# the launcher's world map on this machine (grpo/world.py): with two GPUs or more, a server on GPU 0 and the trainer
+# on GPU 1, weights over NCCL; with one, the colocated layout; on the CPU, two slots stand in for two GPUs
+if [ "$device" = cpu ]; then
+    layout=(--device cpu --gpus-per-node 2 --inference-gpus 1)
+elif [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+    layout=(--gpus-per-node 2 --inference-gpus 1)
+else
+    layout=()
+fi
+run_table world_map 120 python3 -m lm_human_preference_details.grpo.launch --task tiny --steps 10 --wandb-mode disabled \
+    --output-dir "$out/world_map/run" "${layout[@]}"
+[ -f "$out/world_map/run/world.json" ] && cp "$out/world_map/run/world.json" "$out/world_map/results.json"
 # only the tables come back from the device machine ($OUT/a/b/file at most, 8 files): drop the runs
-for name in ppo_speed grpo_speed; do
+for name in ppo_speed grpo_speed world_map; do
     [ -d "$out/$name" ] && find "$out/$name" -mindepth 1 -maxdepth 1 ! -name 'results.*' -exec rm -rf {} +
 done
 ls -R "$out"

@@ -297,7 +297,7 @@ def test_gpu_sh_writes_every_speed_table_of_ppo_speed_and_grpo_speed(tmp_path):
     test of both speed scripts: every table they make, every kind of row but grpo_speed's two flag
     variants of a launch (per-tensor updates, one thread per process: the schedules test above and
     tests/grpo/test_launch.py), and TRL's rows where LMHPD_TRL_PYTHON and LMHPD_TRL116_PYTHON name an
-    environment with it, as tests/run.sh makes them."""
+    environment with it, as tests/run.sh makes them; and a short launch on one node's two CPU slots."""
     trl_python, trl116_python = os.environ.get("LMHPD_TRL_PYTHON"), os.environ.get("LMHPD_TRL116_PYTHON")
     out = tmp_path / "out"
     done = subprocess.run(
@@ -315,8 +315,15 @@ def test_gpu_sh_writes_every_speed_table_of_ppo_speed_and_grpo_speed(tmp_path):
         "ppo_speed",
         "ppo_speed/results.json",
         "ppo_speed/results.md",
+        "world_map",
+        "world_map/results.json",
     ]
-    assert "gpu.sh done in" in (out / "gpu_sh.log").read_text()
+    log = (out / "gpu_sh.log").read_text()
+    assert "gpu.sh done in" in log
+    # one node's two CPU slots: a server on one, the trainer on the other
+    assert "nodes 1, servers 1, trainer processes 1" in log
+    world = json.loads((out / "world_map" / "results.json").read_text())["map"]
+    assert not world["colocated"] and [s["devices"] for s in world["servers"]] == [[0]]
 
     ppo = json.loads((out / "ppo_speed" / "results.json").read_text())
     names = {"ours", "raw"} | ({"trl"} if trl_python else set())

@@ -1,16 +1,18 @@
 """Weights from the trainer to the inference servers (PipelineRL's in-flight update).
 
-Each server gets a process group of its own with the trainer (rank 0 = trainer, rank 1 = server),
-gloo by default (CPU tensors, or GPU tensors through host memory) or NCCL between two GPUs (NCCL
-refuses two ranks on one GPU, so a server that shares the trainer's GPU takes gloo). One group per
-server, not one for all: a server that dies takes only its own group down, and the trainer carries
-on with the others. The groups are built from a TCPStore, outside `torch.distributed`'s default
-group, so a trainer launched by accelerate keeps its own. An update is announced over HTTP with
-every tensor's name, shape and dtype (`protocol.ParameterSpec`); the server checks them against its
-model before anything is received, then the trainer broadcasts tensor by tensor (PipelineRL's way),
-or, with a bucket size, consecutive tensors concatenated into flat buckets: on gloo every broadcast
-has a CPU cost on each side however small its tensor, which a small model's many small tensors pay
-over and over where one bucket of them pays it once (benchmarks/README.md has the timings).
+Each server gets a process group of its own with the trainer (rank 0 = trainer, ranks 1 on = the
+server's: one, or one per worker of a tensor-parallel vLLM server, as its /health's `weight_ranks`
+says; each worker receives every tensor whole and loads its own shard of it), gloo by default (CPU
+tensors, or GPU tensors through host memory) or NCCL between two GPUs (NCCL refuses two ranks on one
+GPU, so a server that shares the trainer's GPU takes gloo). One group per server, not one for all: a
+server that dies takes only its own group down, and the trainer carries on with the others. The
+groups are built from a TCPStore, outside `torch.distributed`'s default group, so a trainer launched
+by accelerate keeps its own. An update is announced over HTTP with every tensor's name, shape and
+dtype (`protocol.ParameterSpec`); the server checks them against its model before anything is
+received, then the trainer broadcasts tensor by tensor (PipelineRL's way), or, with a bucket size,
+consecutive tensors concatenated into flat buckets: on gloo every broadcast has a CPU cost on each
+side however small its tensor, which a small model's many small tensors pay over and over where one
+bucket of them pays it once (benchmarks/README.md has the timings).
 """
 
 import contextlib
@@ -201,26 +203,7 @@ class WeightSender:
     def __init__(
         self, server_urls: list[str], backend: WeightBackend = "gloo", host: str = "127.0.0.1", timeout_s: float = 300
     ):
-        self.groups: dict[str, WeightGroup] = {}
-        for url in server_urls:
-            store = listening_store(host, 2, timeout_s)
-            init_method = f"tcp://{host}:{store.port}"
-            built: dict = {}
-            # our side of the rendezvous waits for the server's: build it aside while the server is asked
-            rendezvous = threading.Thread(
-                target=_build_group_into, args=(built, init_method, backend, timeout_s, store), daemon=True
-            )
-            rendezvous.start()
-            request_json(
-                "POST",
-                f"{url}/init_process_group",
-                {"init_method": init_method, "rank": 1, "world_size": 2, "backend": backend, "timeout_s": timeout_s},
-                timeout_s=timeout_s,
-            )
-            rendezvous.join()
-            if "error" in built:
-                raise built["error"]
-            self.groups[url] = built["group"]
+        self.groups = {url: join_server(url, backend, host, timeout_s) for url in server_urls}
         self.timeout_s = timeout_s
         self._queue: queue.Queue = queue.Queue(maxsize=1)  # snapshots waiting for the sender thread
         self._lock = threading.Lock()
@@ -353,9 +336,40 @@ class WeightSender:
         return url
 
 
-def _build_group_into(built: dict, init_method: str, backend: str, timeout_s: float, store: dist.TCPStore) -> None:
+def group_size(health: dict) -> int:
+    """The size of the weight group with a server whose /health replied `health`: the trainer and the server's
+    `weight_ranks` (a tensor-parallel vLLM server's workers, one rank each; servers that do not say have one)."""
+    return 1 + health.get("weight_ranks", 1)
+
+
+def join_server(url: str, backend: WeightBackend, host: str, timeout_s: float) -> WeightGroup:
+    """A weight group of the trainer (rank 0) and the server at `url` (ranks 1 on), listening at `host`."""
+    world_size = group_size(request_json("GET", f"{url}/health", timeout_s=timeout_s))
+    store = listening_store(host, world_size, timeout_s)
+    init_method = f"tcp://{host}:{store.port}"
+    built: dict = {}
+    # our side of the rendezvous waits for the server's: build it aside while the server is asked
+    rendezvous = threading.Thread(
+        target=_build_group_into, args=(built, init_method, world_size, backend, timeout_s, store), daemon=True
+    )
+    rendezvous.start()
+    request_json(
+        "POST",
+        f"{url}/init_process_group",
+        {"init_method": init_method, "rank": 1, "world_size": world_size, "backend": backend, "timeout_s": timeout_s},
+        timeout_s=timeout_s,
+    )
+    rendezvous.join()
+    if "error" in built:
+        raise built["error"]
+    return built["group"]
+
+
+def _build_group_into(
+    built: dict, init_method: str, world_size: int, backend: str, timeout_s: float, store: dist.TCPStore
+) -> None:
     try:
-        built["group"] = WeightGroup(init_method, 0, 2, backend, timeout_s, store)
+        built["group"] = WeightGroup(init_method, 0, world_size, backend, timeout_s, store)
     except RuntimeError as error:
         built["error"] = error
 

@@ -311,6 +311,12 @@ def test_chat_completions_apply_the_chat_template(server):
         ("/v1/chat/completions", b'{"messages": "hi"}', 400, "'messages'"),
         ("/init_process_group", b'{"init_method": "file:///x", "rank": 1, "world_size": 2}', 400, "tcp://"),
         ("/init_process_group", b'{"init_method": "tcp://127.0.0.1:1", "rank": 0, "world_size": 2}', 400, "'rank'"),
+        (
+            "/init_process_group",
+            b'{"init_method": "tcp://127.0.0.1:1", "rank": 1, "world_size": 1}',
+            400,
+            "weight_ranks",
+        ),
         ("/request_weight_update", b'{"version": 1, "parameters": []}', 409, "init_process_group"),
     ],
 )
@@ -331,6 +337,12 @@ def test_a_health_wait_without_a_usable_timeout_is_refused(server, timeout):
 def test_the_digest_before_any_update_is_the_model_folders(server, model_dir):
     served = request_json("GET", f"{server}/weights_digest", timeout_s=120)
     assert served["model_version"] == 0 and served["digests"] == digest(load_causal_lm(model_dir))
+
+
+def test_a_server_of_one_worker_takes_one_rank_of_its_weight_group(server, trainer_side):
+    _, sender = trainer_side
+    assert request_json("GET", f"{server}/health")["weight_ranks"] == 1
+    assert sender.groups[server].world_size == 2  # the trainer and the server
 
 
 def long_completions(server: str, prompt: list[int], count: int) -> list[dict]:
@@ -519,14 +531,15 @@ def test_a_rendezvous_that_never_comes_is_a_clear_error(engine_server):
 SENDER_THAT_FAILS = """
 import json, os, sys, threading, time
 from lm_human_preference_details.grpo.client import request_json
-from lm_human_preference_details.grpo.weights import WeightGroup, listening_store
+from lm_human_preference_details.grpo.weights import WeightGroup, group_size, listening_store
 url, version, specs, how = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4]
-store = listening_store("127.0.0.1", 2)
+world_size = group_size(request_json("GET", url + "/health"))
+store = listening_store("127.0.0.1", world_size)
 init_method = f"tcp://127.0.0.1:{store.port}"
 joined = threading.Thread(target=request_json, args=("POST", url + "/init_process_group",
-    {"init_method": init_method, "rank": 1, "world_size": 2, "backend": "gloo", "timeout_s": 5}))
+    {"init_method": init_method, "rank": 1, "world_size": world_size, "backend": "gloo", "timeout_s": 5}))
 joined.start()
-group = WeightGroup(init_method, 0, 2, store=store)
+group = WeightGroup(init_method, 0, world_size, store=store)
 joined.join()
 request_json("POST", url + "/request_weight_update", {"version": version, "parameters": specs})
 if how == "stalls":  # alive, never broadcasting: the server gives up after the group's timeout

@@ -365,3 +365,15 @@ def test_a_servers_control_access_comes_from_its_token_file_or_the_environment(t
         (tmp_path / "empty").write_text("")
         with pytest.raises(SystemExit, match=said):
             ControlAccess.for_server(host, file, allow)
+
+
+def test_a_join_leaves_room_for_every_rank_of_the_server():
+    """A server of two workers joins at ranks 1 and 2: a group of two (a trainer before `weight_ranks`) is refused."""
+    from lm_human_preference_details.grpo.serving.control import JoinRequest
+    from lm_human_preference_details.grpo.serving.request_checks import BadRequest
+
+    body = {"init_method": "tcp://127.0.0.1:5", "rank": 1, "world_size": 2}
+    assert JoinRequest.from_body(body).world_size == 2
+    with pytest.raises(BadRequest, match="joins with 2 ranks: /health's weight_ranks"):
+        JoinRequest.from_body(body, ranks=2)
+    assert JoinRequest.from_body({**body, "world_size": 3}, ranks=2).rank == 1

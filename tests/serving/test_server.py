@@ -17,6 +17,7 @@ from lm_human_preference_details.grpo.weights import (
     buckets,
     digest,
     flatten,
+    group_size,
     parameter_specs,
     unflatten,
 )
@@ -40,6 +41,12 @@ def test_buckets_group_consecutive_tensors_of_one_dtype_up_to_the_size():
     assert buckets(specs, 0) == [[0], [1], [2], [3], [4]]  # one broadcast per tensor
     assert buckets(specs, 80) == [[0, 1], [2], [3], [4]]  # 40 + 40 bytes fit; c (120 bytes) goes alone
     assert buckets(specs, 1000) == [[0, 1, 2], [3], [4]]  # a dtype change starts a new bucket
+
+
+def test_a_weight_group_has_the_trainer_and_the_ranks_a_server_says_it_takes():
+    assert group_size({"status": "ok"}) == 2  # a server from before `weight_ranks`: one rank
+    assert group_size({"status": "ok", "weight_ranks": 1}) == 2
+    assert group_size({"status": "ok", "weight_ranks": 4}) == 5  # a vLLM server of four tensor-parallel workers
 
 
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16])

@@ -122,10 +122,19 @@ class JoinRequest:
     timeout_s: float
 
     @classmethod
-    def from_body(cls, body: dict) -> "JoinRequest":
+    def from_body(cls, body: dict, ranks: int = 1) -> "JoinRequest":
+        """BadRequest unless the fields are sound and the group has room for the server's `ranks` ranks from `rank`
+        on (a tensor-parallel vLLM server's workers join one rank each)."""
         init_method = read_field(body, "init_method", str, None, need="a string tcp://HOST:PORT")
         rank = read_field(body, "rank", int, None, lambda v: v >= 1, "an integer >= 1 (rank 0 is the trainer)")
-        world_size = read_field(body, "world_size", int, None, lambda v: v > rank, "an integer > rank")
+        world_size = read_field(
+            body,
+            "world_size",
+            int,
+            None,
+            lambda v: v >= rank + ranks,
+            f"an integer >= rank + {ranks} (this server joins with {ranks} ranks: /health's weight_ranks)",
+        )
         backend = read_field(body, "backend", str, "gloo", lambda v: v in get_args(WeightBackend), "gloo or nccl")
         timeout_s = read_field(
             body,

@@ -64,6 +64,8 @@ class ContractServer(abc.ABC):
     or a property) and the abstract methods; this class keeps what the contract's checks read."""
 
     version: int
+    weight_ranks = 1
+    """the ranks this server takes in its weight group, from /init_process_group's `rank` on (/health says it)"""
 
     def __init__(
         self,
@@ -100,9 +102,9 @@ class ContractServer(abc.ABC):
 
     @abc.abstractmethod
     async def join_group(self, init_method: str, rank: int, world_size: int, backend: str, timeout_s: float) -> None:
-        """Join the trainer's weight group (waits until the trainer's side joins, at most `timeout_s`, and then
-        waits at most that long for each broadcast); RendezvousTimeout when the trainer's side does not come,
-        BadRequest if it cannot join."""
+        """Join the trainer's weight group at ranks `rank` to `rank + weight_ranks - 1` (waits until the trainer's
+        side joins, at most `timeout_s`, and then waits at most that long for each broadcast); RendezvousTimeout
+        when the trainer's side does not come, BadRequest if it cannot join."""
 
     @abc.abstractmethod
     def start_update(self, version: int, specs: list[ParameterSpec], bucket_bytes: int) -> None:
@@ -244,12 +246,14 @@ class ContractServer(abc.ABC):
 
     async def _init_process_group(self, request: web.Request) -> web.Response:
         self.access.authorize(request)
-        join = JoinRequest.from_body(await json_body(request))
+        join = JoinRequest.from_body(await json_body(request), self.weight_ranks)
         await asyncio.to_thread(self.access.check_rendezvous, join.init_method)
         log.info(
-            "joining the weight group at %s (rank %d, waiting at most %.0f s)",
+            "joining the weight group at %s (ranks %d to %d of %d, waiting at most %.0f s)",
             join.init_method,
             join.rank,
+            join.rank + self.weight_ranks - 1,
+            join.world_size,
             join.timeout_s,
         )
 
@@ -301,6 +305,7 @@ class ContractServer(abc.ABC):
                 "model": self.model_name,
                 "model_version": self.version,
                 "dtype": self.dtype,
+                "weight_ranks": self.weight_ranks,
                 "update_error": self.update_error,
                 **self.load(),
             }

@@ -40,15 +40,17 @@ EOS = 47  # tiny-math's
 class EngineServer:
     """The module's one server of `engine`; `start` again replaces it (never two at once: vLLM's take the cores)."""
 
-    def __init__(self, engine: str, folder):
+    def __init__(self, engine: str, folder, flags: tuple[str, ...] = ()):
+        """`flags`: more of the server's flags (`--tensor-parallel-size 2`)."""
         self.engine, self.folder, self.started, self.process, self.url = engine, folder, 0, None, None
+        self.flags = flags
 
     def start(self, model: str, version: int = 0) -> str:
         self.stop()
         self.started += 1
         self.model = model  # the name it serves under
         self.log_path = self.folder / f"server-{self.started}.log"
-        flags = ["--model", model, "--threads", "1", "--max-batch-size", "16", "--version", str(version)]
+        flags = ["--model", model, "--threads", "1", "--max-batch-size", "16", "--version", str(version), *self.flags]
         with open(self.log_path, "wb") as log:  # the child keeps its own handle
             if self.engine == "home":
                 server = ServerProcess(flags, log)
@@ -548,12 +550,9 @@ os._exit(0)  # dies before broadcasting anything (and before a gloo teardown tha
 """
 
 
-def test_a_failed_weight_update_rolls_back_to_the_serving_weights(engine_server, model_dir):
+def check_a_failed_weight_update_rolls_back(url: str, model) -> None:
     """A sender that dies, then one that stalls, after their update was accepted: the old weights keep serving,
-    /health says why, and a new group's update then lands. After the fresh server's test (it sends the model folder's
-    weights, not the trainer's)."""
-    url = engine_server.url
-    model = load_causal_lm(model_dir)
+    /health says why, and a new group's update of `model` then lands."""
     specs = json.dumps([s.to_json() for s in parameter_specs(model)])
     version = request_json("GET", f"{url}/health")["model_version"]
     for how in ("dies", "stalls"):
@@ -571,6 +570,11 @@ def test_a_failed_weight_update_rolls_back_to_the_serving_weights(engine_server,
     assert sender.wait() == []
     health = request_json("GET", f"{url}/health?wait_for_version={version + 1}&timeout_s=60")
     assert health["model_version"] == version + 1 and health["update_error"] is None
+
+
+def test_a_failed_weight_update_rolls_back_to_the_serving_weights(engine_server, model_dir):
+    """After the fresh server's test (it sends the model folder's weights, not the trainer's)."""
+    check_a_failed_weight_update_rolls_back(engine_server.url, load_causal_lm(model_dir))
 
 
 def test_a_client_that_hangs_up_has_its_sequences_dropped(engine_server):
@@ -599,11 +603,11 @@ def _state(pid: int) -> str:
         return "gone"
 
 
-def test_a_killed_server_leaves_no_process_behind(engine_server):
-    """Last. vLLM ends its engine-core and worker processes when its frontend shuts down, not when it is killed: the
-    server's worker watches for that and ends them (what `--exit-with-parent` relies on too)."""
+def check_a_killed_server_leaves_no_process_behind(engine_server: EngineServer, children_at_least: int) -> None:
+    """vLLM ends its engine-core and worker processes when its frontend shuts down, not when it is killed: the
+    server's workers watch for that and end them (what `--exit-with-parent` relies on too)."""
     children = descendants(engine_server.process.pid)
-    assert len(children) >= (2 if engine_server.engine == "vllm" else 0)  # vLLM's engine core and worker at least
+    assert len(children) >= children_at_least
     engine_server.process.kill()
     engine_server.process.wait()
     engine_server.process = None
@@ -611,3 +615,9 @@ def test_a_killed_server_leaves_no_process_behind(engine_server):
     while any(os.path.exists(f"/proc/{pid}") and _state(pid) != "Z" for pid in children):
         assert time.monotonic() < deadline, [pid for pid in children if os.path.exists(f"/proc/{pid}")]
         time.sleep(0.1)
+
+
+def test_a_killed_server_leaves_no_process_behind(engine_server):
+    """Last."""
+    at_least = 2 if engine_server.engine == "vllm" else 0  # vLLM's engine core and worker
+    check_a_killed_server_leaves_no_process_behind(engine_server, at_least)

@@ -5,8 +5,10 @@ tests/serving/test_contract.py."""
 import subprocess
 
 import pytest
+from aiohttp import web
 
 from lm_human_preference_details.grpo.serving import vllm_env
+from lm_human_preference_details.grpo.serving.vllm_server import agreed_digest, receive_status
 
 
 def test_the_environment_command_says_where_it_is():
@@ -41,3 +43,19 @@ def test_server_command_without_the_environment_says_how_to_make_it(tmp_path, mo
     assert vllm_env.python_executable() is None
     with pytest.raises(RuntimeError, match="python -m lm_human_preference_details.grpo.serving.vllm_env"):
         vllm_env.server_command()
+
+
+def test_an_update_is_received_once_every_worker_has_it_and_fails_once_one_failed():
+    assert receive_status([("received", None), ("received", None)]) == ("received", None)
+    assert receive_status([("received", None), ("receiving", None)]) == ("receiving", None)
+    assert receive_status([("receiving", None), ("failed", "Connection closed by peer")]) == (
+        "failed",
+        "Connection closed by peer",
+    )
+
+
+def test_the_digest_of_workers_given_different_weights_is_an_error():
+    assert agreed_digest([None, None]) is None  # no update yet
+    assert agreed_digest([{"w": "ab"}, {"w": "ab"}]) == {"w": "ab"}
+    with pytest.raises(web.HTTPInternalServerError, match="different weights"):
+        agreed_digest([{"w": "ab"}, {"w": "cd"}])

@@ -22,14 +22,17 @@ What is vLLM's and what is glue:
   sequence carries the spans `[start, end) -> version` (`CompletionOutput.weight_versions`). The label is put on in
   the engine core, on the step that sampled the tokens, so no race between the frontend's output processing and a
   version bump can mislabel a token (a stamp taken when a streamed delta reaches the frontend could).
-- the weights arrive in vLLM's worker process, through `worker_extension_cls` (`WeightReceiver`) and
-  `collective_rpc`: it joins the trainer's group with `grpo.weights.WeightGroup` itself (a TCPStore client, a
-  PrefixStore "weights", ProcessGroupGloo: the trainer's side's exact counterpart) and receives with
+- the weights arrive in vLLM's worker processes, through `worker_extension_cls` (`WeightReceiver`) and
+  `collective_rpc`: each worker (one per tensor-parallel rank, `--tensor-parallel-size`) joins the trainer's group
+  at rank 1 + its rank in vLLM's world (PipelineRL's offsets; /health's `weight_ranks` tells the trainer the group's
+  size), with `grpo.weights.WeightGroup` itself (a TCPStore client, a PrefixStore "weights", ProcessGroupGloo: the
+  trainer's side's exact counterpart), and receives the whole tensors with
   `grpo.weights.receive_tensors` (one broadcast per tensor, or per bucket of `bucket_bytes`, `weights.buckets`), on a
   thread of the worker, into fresh buffers, while generation goes on. Then: `pause_generation(mode="keep")`, vLLM's
   layer-wise reload (`initialize_layerwise_reload`, `model.load_weights`, `finalize_layerwise_reload`, then the
   `process_weights_after_loading` of each VocabParallelEmbedding again: a tied `lm_head` keeps its old packed copy
-  otherwise), the new version label, `resume_generation()`. Sequences in flight keep their KV cache (PipelineRL).
+  otherwise; each layer's weight loader takes its worker's shard), the new version label, `resume_generation()`.
+  Sequences in flight keep their KV cache (PipelineRL).
 - prefix caching: a sequence in flight holds its blocks, so `reset_prefix_cache()` fails while any is running.
   Every request therefore carries the weight version it was sent under as its `cache_salt`: one sent after an
   update never reuses a block computed by older weights; the cache is also reset whenever nothing is in flight.
@@ -97,15 +100,17 @@ class WeightReceiver:
 
         threading.Thread(target=watch, name="grpo-watch-frontend", daemon=True).start()
 
-    def grpo_init_group(self, init_method: str, rank: int, world_size: int, backend: str, timeout_s: float) -> None:
-        """Join the trainer's weight group, as `server.py` does (blocks until the trainer's side joins, at most
-        `timeout_s`: a TimeoutError then)."""
+    def grpo_init_group(
+        self, init_method: str, first_rank: int, world_size: int, backend: str, timeout_s: float
+    ) -> None:
+        """Join the trainer's weight group at `first_rank` + this worker's rank, as `server.py` joins at its one rank
+        (blocks until every rank joins, at most `timeout_s`: a TimeoutError then)."""
         import torch.distributed as dist
 
         from lm_human_preference_details.grpo.weights import WeightGroup
 
         try:
-            self._grpo_group = WeightGroup(init_method, rank, world_size, backend, timeout_s)
+            self._grpo_group = WeightGroup(init_method, first_rank + self.rank, world_size, backend, timeout_s)
         except (dist.DistNetworkError, dist.DistStoreError) as error:  # vLLM's RPC passes on only the message
             raise TimeoutError(f"{_RENDEZVOUS_TIMED_OUT}: {first_line(error)}") from None
         self._grpo_receive = None
@@ -234,6 +239,7 @@ class VLLMInferenceServer(ContractServer):
         specs = parameter_specs(_meta_model(path), _torch_dtype(dtype))
         super().__init__(tokenizer, model_name, dtype, specs, version, access)
         self.engine, self.stats, self.path = engine, stats, path
+        self.weight_ranks = engine.vllm_config.parallel_config.world_size  # one rank per worker
         self.version = version
         model_config = engine.model_config
         self.max_positions = model_config.max_model_len
@@ -302,8 +308,9 @@ class VLLMInferenceServer(ContractServer):
 
     # -- weights ----------------------------------------------------------------------------------------------------
 
-    async def _rpc(self, method: str, *args):
-        return (await self.engine.collective_rpc(method, args=args))[0]
+    async def _rpc(self, method: str, *args) -> list:
+        """`method` of `WeightReceiver` on every worker; each one's result, by rank (raises if any worker raised)."""
+        return await self.engine.collective_rpc(method, args=args)
 
     async def join_group(self, init_method: str, rank: int, world_size: int, backend: str, timeout_s: float) -> None:
         try:  # in vLLM's worker; blocks (the engine too) until the trainer's side joins, at most timeout_s
@@ -344,8 +351,8 @@ class VLLMInferenceServer(ContractServer):
         start = time.perf_counter()
         await self._rpc("grpo_start_receive", [s.to_json() for s in specs], bucket_bytes)
         delay = 0.001
-        while True:  # generation goes on while the worker's thread receives
-            status, error = await self._rpc("grpo_receive_status")
+        while True:  # generation goes on while the workers' threads receive
+            status, error = receive_status(await self._rpc("grpo_receive_status"))
             if status != "receiving":
                 break
             await asyncio.sleep(delay)
@@ -359,7 +366,7 @@ class VLLMInferenceServer(ContractServer):
             await self.engine.pause_generation(mode="keep", clear_cache=False)
             try:
                 try:
-                    self.load_s_last = await self._rpc("grpo_load")
+                    self.load_s_last = max(await self._rpc("grpo_load"))
                 except Exception as error:
                     # refused before generation resumes on weights that may be half loaded
                     self.mark_stale(f"weights version {version} failed to load ({error}); its weights are out of date")
@@ -416,7 +423,7 @@ class VLLMInferenceServer(ContractServer):
     async def weights_digest(self) -> dict:
         await self.not_updating.wait()
         version = self.version
-        digests = await self._rpc("grpo_digest") if self.has_group else None
+        digests = agreed_digest(await self._rpc("grpo_digest")) if self.has_group else None
         if digests is None:  # no update loaded yet: the model folder's weights, as served
             if self._disk_digest is None:
                 self._disk_digest = await asyncio.get_running_loop().run_in_executor(
@@ -424,6 +431,22 @@ class VLLMInferenceServer(ContractServer):
                 )
             digests = self._disk_digest
         return {"model_version": version, "digests": digests}
+
+
+def receive_status(statuses: list[tuple[str, str | None]]) -> tuple[str, str | None]:
+    """One update's status over the workers' (`WeightReceiver.grpo_receive_status`): failed as soon as one failed
+    (the group is broken: the others' broadcasts cannot all come), received once all received."""
+    for status, error in statuses:
+        if status == "failed":
+            return status, error
+    return next(((s, e) for s, e in statuses if s != "received"), ("received", None))
+
+
+def agreed_digest(digests: list[dict[str, str] | None]) -> dict[str, str] | None:
+    """The workers' one digest (`WeightReceiver.grpo_digest`); an error if they were given different weights."""
+    if any(d != digests[0] for d in digests):
+        raise web.HTTPInternalServerError(reason="the tensor-parallel workers were given different weights")
+    return digests[0]
 
 
 _RENDEZVOUS_TIMED_OUT = "the rendezvous timed out"
@@ -540,7 +563,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--gpu-memory-utilization", type=float, default=0.4, help="the GPU memory vLLM takes (the trainer shares it)"
     )
-    parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: vLLM's binding, a core per worker)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="CPU threads per worker (0: vLLM's binding, a core per worker, which fails with more than one worker on "
+        "one NUMA node)",
+    )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="workers (GPUs, or CPU workers) that shard the model; each joins the trainer's weight group",
+    )
     parser.add_argument("--version", type=int, default=0, help="weight version of the loaded model")
     parser.add_argument("--exit-with-parent", action="store_true", help="stop when the starting process dies")
     parser.add_argument("--max-model-len", type=int, default=0, help="context length (0: the model's)")
@@ -549,7 +584,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--cache-dir", default="", help="vLLM's caches and sockets (default: a temporary folder removed at exit)"
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.tensor_parallel_size < 1:
+        parser.error(f"--tensor-parallel-size {args.tensor_parallel_size}: pass 1 or more")
+    return args
 
 
 def _environment(args: argparse.Namespace) -> str | None:
@@ -593,6 +631,7 @@ def engine_arguments(args: argparse.Namespace, path: str, dtype: str) -> dict:
         gpu_memory_utilization=args.gpu_memory_utilization,
         seed=args.seed,
         max_num_seqs=args.max_batch_size,
+        tensor_parallel_size=args.tensor_parallel_size,
         max_model_len=args.max_model_len or None,
         enforce_eager=not args.compile,
         logprobs_mode="processed_logprobs",  # after the temperature: the contract's logprobs

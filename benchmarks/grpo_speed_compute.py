@@ -27,12 +27,13 @@ def raw_step_times(args: Args) -> list[float]:
     torch.manual_seed(settings.seed)
     device = torch.device(args.device)
     generator = torch.Generator(device=device).manual_seed(settings.seed)
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(settings.model))
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(settings.task.model))
     vocab = len(tokenizer)
-    model = load_causal_lm(settings.model).to(device)
-    optimizer = make_optimizer(settings.optimizer, model.parameters(), lr=settings.lr, eps=settings.adam_eps)
+    model = load_causal_lm(settings.task.model).to(device)
+    optim = settings.optim
+    optimizer = make_optimizer(optim.optimizer, model.parameters(), lr=optim.lr, eps=optim.adam_eps)
     problems = load_task_problems(settings)
-    groups, n = settings.groups_per_step(), settings.group_size
+    groups, n = settings.groups_per_step(), settings.sampling.group_size
     times = []
     for step in range(args.steps + 1):  # the first step warms up, untimed
         start = time.perf_counter()
@@ -53,11 +54,13 @@ def raw_step_times(args: Args) -> list[float]:
             position_ids=(full_mask.cumsum(1) - 1).clamp(min=0),
             logits_to_keep=predicting,
         ).logits[..., :vocab]
-        logprobs = logprobs_of(logits, completions, settings.temperature)
-        options = LossSettings(loss_type=settings.loss_type, ratio_cap=settings.ratio_cap, clip_eps=settings.clip_eps)
+        logprobs = logprobs_of(logits, completions, settings.sampling.temperature)
+        options = LossSettings(
+            loss_type=settings.loss.loss_type, ratio_cap=settings.loss.ratio_cap, clip_eps=settings.loss.clip_eps
+        )
         loss = policy_loss(logprobs, logprobs.detach(), advantages, valid, len(batch), options).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), optim.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         synchronize(device)
@@ -72,15 +75,15 @@ def sample_completions(model, ids, prompt_mask, settings, tokenizer, generator):
 
     from lm_human_preference_details.grpo.serving.engine import sample_tokens
 
-    vocab, eos = len(tokenizer), tokenizer.eos_token_id
+    vocab, eos, sampling = len(tokenizer), tokenizer.eos_token_id, settings.sampling
     with torch.no_grad():
         mask, positions = prompt_mask, (prompt_mask.cumsum(1) - 1).clamp(min=0)
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
         tokens = []
-        for t in range(settings.max_tokens):
-            logprobs = torch.log_softmax(out.logits[:, -1, :vocab].float() / settings.temperature, -1)
+        for t in range(sampling.max_tokens):
+            logprobs = torch.log_softmax(out.logits[:, -1, :vocab].float() / sampling.temperature, -1)
             tokens.append(sample_tokens(logprobs, generator)[:, None])  # the servers' sampler
-            if t + 1 == settings.max_tokens or not settings.ignore_eos and (torch.cat(tokens, 1) == eos).any(1).all():
+            if t + 1 == sampling.max_tokens or not sampling.ignore_eos and (torch.cat(tokens, 1) == eos).any(1).all():
                 break
             mask, positions = torch.cat([mask, torch.ones_like(tokens[-1])], 1), positions[:, -1:] + 1
             out = model(
@@ -88,7 +91,7 @@ def sample_completions(model, ids, prompt_mask, settings, tokenizer, generator):
             )
     completions = torch.cat(tokens, 1)
     after_eos = (completions == eos).long().cumsum(1) - (completions == eos).long()  # EOS itself is kept
-    valid = torch.ones_like(completions) if settings.ignore_eos else (after_eos == 0).long()
+    valid = torch.ones_like(completions) if sampling.ignore_eos else (after_eos == 0).long()
     return completions, valid
 
 
@@ -105,10 +108,13 @@ def completion_advantages(batch, completions, valid, tokenizer, settings):
     ]
     rewards = []
     for problem, text in zip(batch, texts):
-        reward = integer_reward(settings.answer_prefix + text, problem.answer)
-        rewards.append(math_reward(settings.answer_prefix + text, problem.answer) if reward is None else reward)
+        reward = integer_reward(settings.task.answer_prefix + text, problem.answer)
+        rewards.append(math_reward(settings.task.answer_prefix + text, problem.answer) if reward is None else reward)
     return group_advantages(
-        torch.tensor(rewards, device=completions.device), settings.group_size, settings.baseline, settings.divide_by_std
+        torch.tensor(rewards, device=completions.device),
+        settings.sampling.group_size,
+        settings.loss.baseline,
+        settings.loss.divide_by_std,
     )
 
 
@@ -124,13 +130,14 @@ def trl_step_times(args: Args) -> list[float]:
     from lm_human_preference_details.grpo.rewards import load_task_problems, math_reward
 
     settings = run_settings(args)
+    sampling = settings.sampling
     problems = load_task_problems(settings)
-    path = resolve_model_path(settings.model)
+    path = resolve_model_path(settings.task.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.pad_token = tokenizer.eos_token
 
     def reward(completions, answer, **_):  # the actor's reward: the answer prefix, then the last box
-        return [math_reward(settings.answer_prefix + c, a) for c, a in zip(completions, answer)]
+        return [math_reward(settings.task.answer_prefix + c, a) for c, a in zip(completions, answer)]
 
     ends: list[float] = []
 
@@ -141,17 +148,17 @@ def trl_step_times(args: Args) -> list[float]:
     with tempfile.TemporaryDirectory() as out:
         config = GRPOConfig(
             output_dir=out,
-            per_device_train_batch_size=settings.batch_size,
-            num_generations=settings.group_size,
+            per_device_train_batch_size=settings.optim.batch_size,
+            num_generations=sampling.group_size,
             steps_per_generation=1,
             gradient_accumulation_steps=1,
-            max_completion_length=settings.max_tokens,
+            max_completion_length=sampling.max_tokens,
             max_steps=args.steps,
-            learning_rate=settings.lr,
-            temperature=settings.temperature,
+            learning_rate=settings.optim.lr,
+            temperature=sampling.temperature,
             beta=0.0,
             # --ignore-eos: every completion max_tokens long, as the servers sample them
-            generation_kwargs={"min_new_tokens": settings.max_tokens} if settings.ignore_eos else None,
+            generation_kwargs={"min_new_tokens": sampling.max_tokens} if sampling.ignore_eos else None,
             report_to="none",
             save_strategy="no",
             logging_steps=1,

@@ -38,12 +38,12 @@ def generation_shape(args: Args, task: str, settings) -> dict:
     """What every row of `task` in the generation table generates (the limit's too)."""
     return {
         "task": task,
-        "model": settings.model,
+        "model": settings.task.model,
         "requests": args.generation_requests,
         "prompts_per_request": settings.request_problems(),
-        "n": settings.group_size,
+        "n": settings.sampling.group_size,
         "max_tokens": args.generation_tokens,
-        "in_flight": args.generation_in_flight or settings.max_in_flight,
+        "in_flight": args.generation_in_flight or settings.serving.max_in_flight,
     }
 
 
@@ -62,8 +62,8 @@ def time_generation(args: Args, task: str, engine: Literal["home", "vllm"]) -> d
     with served(settings, engine, folder, args.device) as url:
 
         def complete(prompts: list[str]) -> dict:  # the actor's request (`actor._complete`), every sample full length
-            sampling = {"max_tokens": args.generation_tokens, "temperature": settings.temperature}
-            payload = {"prompt": prompts, **sampling, "n": settings.group_size, "ignore_eos": True}
+            sampling = {"max_tokens": args.generation_tokens, "temperature": settings.sampling.temperature}
+            payload = {"prompt": prompts, **sampling, "n": settings.sampling.group_size, "ignore_eos": True}
             return request_json("POST", f"{url}/v1/completions", payload, timeout_s=GENERATION_REQUEST_TIMEOUT_S)
 
         complete(warm_up)
@@ -102,10 +102,10 @@ def time_generation_limit(args: Args, task: str) -> dict:
     prompts, result = os.path.join(folder, "prompts.json"), os.path.join(folder, "result.json")
     with open(prompts, "w") as f:
         json.dump({"warm_up": warm_up, "timed": [p for request in timed for p in request]}, f)
-    flags = server_flags(settings, ServerEngine("vllm", folder).model_for_servers(settings.model), version=0, i=0)
-    sampling = ["--n", str(settings.group_size), "--max-tokens", str(args.generation_tokens)]
+    flags = server_flags(settings, ServerEngine("vllm", folder).model_for_servers(settings.task.model), version=0, i=0)
+    sampling = ["--n", str(settings.sampling.group_size), "--max-tokens", str(args.generation_tokens)]
     cmd = [python, os.path.join(ROOT, "benchmarks", "vllm_generate.py"), "--prompts", prompts, *sampling]
-    cmd += ["--temperature", f"{settings.temperature!r}", "--out", result, "--", *flags]
+    cmd += ["--temperature", f"{settings.sampling.temperature!r}", "--out", result, "--", *flags]
     run_logged(cmd, os.path.join(folder, "vllm_generate.log"), dict(device_env(args.device), PYTHONPATH=ROOT), ROOT)
     with open(result) as f:
         limit = json.load(f)

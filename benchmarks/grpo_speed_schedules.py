@@ -19,10 +19,10 @@ from lm_human_preference_details.cli import UserError
 def schedules(args: Args) -> list[tuple[str, list[str]]]:
     settings = run_settings(args)
     pipeline = [("pipeline", ["--mode", "pipeline"])]
-    if args.per_tensor_row and settings.update_bucket_mb:
+    if args.per_tensor_row and settings.processes.update_bucket_mb:
         pipeline.append(("pipeline, per-tensor updates", ["--mode", "pipeline", "--update-bucket-mb", "0"]))
     # after the established rows: a run that is stopped early keeps those
-    ahead = [pipeline_ahead(settings, n) for n in args.pipeline_steps_ahead if n != settings.steps_ahead]
+    ahead = [pipeline_ahead(settings, n) for n in args.pipeline_steps_ahead if n != settings.schedule.steps_ahead]
     sync = [(f"sync G={g}", ["--mode", "sync", "--sync-steps", str(g)]) for g in args.sync_steps]
     vllm = [(f"{name}, vLLM", [*flags, "--engine", "vllm"]) for name, flags in (pipeline[0], sync[0])]
     if args.one_thread_row:
@@ -51,7 +51,9 @@ def pipeline_ahead(settings, steps_ahead: float) -> tuple[str, list[str]]:
     if problems != settings.request_problems():
         name, flags = f"{name}, requests of {problems} problems", [*flags, "--problems-per-request", str(problems)]
     try:
-        dataclasses.replace(settings, mode="pipeline", steps_ahead=steps_ahead, problems_per_request=problems).check()
+        schedule = dataclasses.replace(settings.schedule, mode="pipeline", steps_ahead=steps_ahead)
+        serving = dataclasses.replace(settings.serving, problems_per_request=problems)
+        dataclasses.replace(settings, schedule=schedule, serving=serving).check()
     except UserError as error:
         raise UserError(f"--pipeline-steps-ahead {steps_ahead:.12g}: {error}") from None
     return name, flags
@@ -170,7 +172,7 @@ def run_role(args: Args, role: str, python: str, repeat: int) -> dict:
         step_s = json.load(f)
     # the steps after the first fifth, as the schedules' rows; on-policy: it generates, then trains
     return {
-        "samples_per_s": run_settings(args).batch_size / statistics.fmean(step_s[len(step_s) // 5 :]),
+        "samples_per_s": run_settings(args).optim.batch_size / statistics.fmean(step_s[len(step_s) // 5 :]),
         "lag_mean": 0.0,
         "lag_steady": 0.0,
         "step_s": step_s,

@@ -18,11 +18,14 @@ def time_weight_updates(
     import torch
 
     from lm_human_preference_details.grpo.client import request_json
-    from lm_human_preference_details.grpo.config import GRPOArgs
+    from lm_human_preference_details.grpo.config import GRPOArgs, ProcessArgs, ServingArgs, TaskArgs
     from lm_human_preference_details.grpo.weights import WeightSender, buckets, parameter_specs, served_dtype
     from lm_human_preference_details.models import load_causal_lm
 
-    with served(GRPOArgs(model=model, threads=1, server_batch_size=16), engine, folder, device) as url:
+    settings = GRPOArgs(
+        task=TaskArgs(model=model), serving=ServingArgs(server_batch_size=16), processes=ProcessArgs(threads=1)
+    )
+    with served(settings, engine, folder, device) as url:
         trainer_model = load_causal_lm(model).to(device)
         server_dtype = served_dtype(url)  # bf16 on a GPU; the trainer sends it so too
         sender = WeightSender([url])

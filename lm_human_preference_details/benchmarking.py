@@ -132,7 +132,7 @@ def served(settings, engine: Literal["home", "vllm"], folder: str, device: Devic
     from lm_human_preference_details.grpo.launch import ServerEngine, server_flags
 
     starter = ServerEngine(engine, folder)
-    flags = server_flags(settings, starter.model_for_servers(settings.model), version=0, i=0)
+    flags = server_flags(settings, starter.model_for_servers(settings.task.model), version=0, i=0)
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "server.log"), "wb") as log:  # the child keeps its own handle
         server_process = starter.start(0, flags, log, device_env(device))

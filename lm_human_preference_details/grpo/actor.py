@@ -66,7 +66,7 @@ class Actor:
         self.args = args
         self.servers = [ServerState(url.rstrip("/")) for url in server_urls]
         self.problems = problems
-        self.schedule = args.schedule()
+        self.schedule = args.run_schedule()
         self._changed: asyncio.Condition | None = None
         self._failure: BaseException | None = None
         self._verifier: concurrent.futures.Executor | None = None
@@ -94,14 +94,14 @@ class Actor:
         )
         self._verifier.submit(math_rewards, ["\\boxed{\\frac{1}{2}}"], "1/2")  # start it and warm math_verify up now
         writer = open_writer(self.args.stream_url())
-        timeout = aiohttp.ClientTimeout(total=self.args.request_timeout_s)
+        timeout = aiohttp.ClientTimeout(total=self.args.serving.request_timeout_s)
         connector = aiohttp.TCPConnector(limit=0)  # the per-server bound is ours: max_in_flight
         async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
             watchers = {asyncio.create_task(self._watch_server(session, server)) for server in self.servers}
             pending: set[asyncio.Task] = set()
             try:
                 per_request = self.args.request_problems()
-                for first in range(first_group, self.args.steps * self.args.groups_per_step(), per_request):
+                for first in range(first_group, self.args.optim.steps * self.args.groups_per_step(), per_request):
                     await self._wait_for_room(first + per_request - 1)
                     problems = [self.problems[k % len(self.problems)] for k in range(first, first + per_request)]
                     task = asyncio.create_task(self._groups(session, writer, problems))
@@ -139,8 +139,8 @@ class Actor:
             texts = [
                 choice["text"] if "text" in choice else choice["message"]["content"] for choice in choices
             ]  # completions or chat
-            completions = [self.args.answer_prefix + t for t in texts]
-            rewards = [integer_reward(c, problem.answer, self.args.integer_answers) for c in completions]
+            completions = [self.args.task.answer_prefix + t for t in texts]
+            rewards = [integer_reward(c, problem.answer, self.args.task.integer_answers) for c in completions]
             if None in rewards:  # math_verify's timeout is a SIGALRM: it needs a main thread, hence a process
                 rewards = await asyncio.get_running_loop().run_in_executor(
                     self._verifier, math_rewards, completions, problem.answer
@@ -163,7 +163,7 @@ class Actor:
                     problem_id=problem.id,
                     answer=problem.answer,
                     prompt_ids=prompt_ids,
-                    temperature=self.args.temperature,  # of the behaviour logprobs: the trainer's must match
+                    temperature=self.args.sampling.temperature,  # of the behaviour logprobs: the trainer's must match
                     attempts=attempts,
                 )
             )
@@ -172,25 +172,25 @@ class Actor:
         """`group_size` attempts at each problem: (prompt token ids, its choices) per problem. One
         completion request for all of them (a list of prompts), or one chat request per problem."""
         sampling = {
-            "max_tokens": self.args.max_tokens,
-            "temperature": self.args.temperature,
-            "n": self.args.group_size,
-            "ignore_eos": self.args.ignore_eos,
+            "max_tokens": self.args.sampling.max_tokens,
+            "temperature": self.args.sampling.temperature,
+            "n": self.args.sampling.group_size,
+            "ignore_eos": self.args.sampling.ignore_eos,
         }
-        if self.args.chat:
+        if self.args.task.chat:
             bodies = await asyncio.gather(
                 *(
                     self._request(
                         session,
                         "/v1/chat/completions",
-                        {"messages": self.args.chat_messages(p.prompt), **sampling},
+                        {"messages": self.args.task.chat_messages(p.prompt), **sampling},
                     )
                     for p in problems
                 )
             )
             return [(body["prompt_token_ids"], body["choices"]) for body in bodies]
         body = await self._request(session, "/v1/completions", {"prompt": [p.prompt for p in problems], **sampling})
-        n = self.args.group_size
+        n = self.args.sampling.group_size
         return [(ids, body["choices"][i * n : (i + 1) * n]) for i, ids in enumerate(body["prompt_token_ids"])]
 
     async def _request(self, session, endpoint: str, payload: dict) -> dict:
@@ -217,20 +217,20 @@ class Actor:
     async def _acquire_server(self) -> ServerState:
         """The least busy usable server with a free slot, once there is one; an ActorError when no server has been
         usable for `request_timeout_s` (all down, or left behind by the newest weights: nothing would come)."""
-        last_usable = time.monotonic()
+        last_usable, timeout_s = time.monotonic(), self.args.serving.request_timeout_s
         async with self._changed:
             while True:
                 usable = [s for s in self.servers if self.usable(s)]
-                free = [s for s in usable if s.in_flight < self.args.max_in_flight]
+                free = [s for s in usable if s.in_flight < self.args.serving.max_in_flight]
                 if free:
                     server = min(free, key=lambda s: s.in_flight)
                     server.in_flight += 1
                     return server
                 if usable:
                     last_usable = time.monotonic()
-                elif time.monotonic() - last_usable > self.args.request_timeout_s:
+                elif time.monotonic() - last_usable > timeout_s:
                     raise ActorError(
-                        f"no server has been usable for {self.args.request_timeout_s:g} s (--request-timeout-s): "
+                        f"no server has been usable for {timeout_s:g} s (--request-timeout-s): "
                         f"{', '.join(f'{s.url} at version {s.version}' for s in self.servers)}, the newest weights "
                         f"are version {self.weight_version()}; see the servers' logs"
                     )
@@ -320,8 +320,8 @@ def main() -> None:
             "--resume: resume a run through grpo.launch, which restarts the servers with the checkpoint's "
             "weights and version, drops the stream's records after the checkpoint and starts the actor at its step"
         )
-    check_serving(args.servers, 0, args.model)
-    run(args, wait_for_servers=lambda: args.servers)
+    check_serving(args.serving.servers, 0, args.task.model)
+    run(args, wait_for_servers=lambda: args.serving.servers)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ MAY_CHANGE_ON_RESUME = {
     "trainer_host",
     "weight_backend",
     "update_bucket_mb",
-    *(f"placement.{setting.name}" for setting in dataclasses.fields(PlacementArgs)),
+    *(setting.name for setting in dataclasses.fields(PlacementArgs)),
 }
 """what a resumed run may set otherwise (how long it runs, where and how its processes run); the rest must be the
 checkpoint's: the stream position counts groups of its batch size, the optimizer state is of its settings"""
@@ -55,7 +55,7 @@ def save_checkpoint(
         tokenizer.save_pretrained(os.path.join(staging, "model"))
         torch.save(optimizer_states, os.path.join(staging, "optimizer.pt"))
         with open(os.path.join(staging, "state.json"), "w") as f:
-            state = {"version": version, "stream_position": stream_position, "settings": checkpoint.settings(args)}
+            state = {"version": version, "stream_position": stream_position, "settings": args.flag_values()}
             json.dump(state, f)
 
 
@@ -69,7 +69,7 @@ def checkpoint_state(args: GRPOArgs) -> dict:
     state = checkpoint.load_or_explain(path, checkpoint.read_json, checkpoint.damaged(folder))
     # the servers load the model folder: a damaged one is refused here, before any of them starts
     checkpoint.check_weights(checkpoint_model(args.output_dir), checkpoint.damaged(folder))
-    checkpoint.check_same_settings(state.get("settings"), checkpoint.settings(args), MAY_CHANGE_ON_RESUME, folder)
+    checkpoint.check_same_settings(state.get("settings"), args.flag_values(), MAY_CHANGE_ON_RESUME, folder)
     return state
 
 

@@ -3,7 +3,7 @@
 import copy
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Annotated, Literal
 
 import tyro
@@ -17,32 +17,12 @@ from lm_human_preference_details.tracking import RunArgs
 
 Engine = Literal["auto", "home", "vllm"]
 RecipeName = Literal["default", "pipelinerl", "dr_grpo", "dapo"]
-LOSS_FIELDS = (
-    "loss_type",
-    "ratio_cap",
-    "importance_sampling",
-    "clip_eps",
-    "clip_eps_high",
-    "baseline",
-    "divide_by_std",
-    "std_over",
-    "use_advantages",
-    "relu_policy_weights",
-    "loss_normalizer",
-    "overlong_filtering",
-    "kl_coef",
-    "kl_coef_final",
-    "kl_clamp",
-    "entropy_coef",
-    "entropy_coef_final",
-)
-"""the `GRPOArgs` fields a recipe sets"""
 
 
 @dataclass(frozen=True)
 class Recipe:
-    """A peer's loss settings: where they come from, and the `GRPOArgs` loss fields (`LOSS_FIELDS`) that it sets
-    otherwise than this project's defaults (it resets every other one to its default)."""
+    """A peer's loss settings: where they come from, and the loss fields (`LossArgs`) that it sets otherwise than
+    this project's defaults (it resets every other one to its default)."""
 
     source: str
     settings: dict[str, object]
@@ -94,7 +74,7 @@ def settings_as_flags(settings: dict[str, object]) -> list[str]:
 def recipes_help() -> str:
     """`--recipe`'s help: each recipe's flags and where they come from."""
     return (
-        "a peer's loss settings in one flag: it sets every loss option (the ones below it), in its place on the "
+        "a peer's loss settings in one flag: it sets every loss option (the `loss options` below), in its place on the "
         "command line, so flags after it override it. "
         + "; ".join(
             f"`{name}`: {' '.join(settings_as_flags(r.settings)) or 'the defaults'}, {r.source}"
@@ -112,25 +92,9 @@ def gpu_visible() -> bool:
 
 
 @dataclass
-class GRPOArgs(RunArgs):
-    """GRPO with verifiable rewards, trained the PipelineRL way (in-flight weight updates)."""
+class TaskArgs:
+    """What is learned: the model and the problems it is trained on."""
 
-    output_dir: str = "runs/grpo"
-    """metrics.jsonl, samples.jsonl, the stream, process logs, checkpoints"""
-    mode: Mode = "pipeline"
-    """`pipeline`: weights pushed to the servers after every optimizer step while they generate;
-    `sync`: the conventional schedule, generate `sync_steps` steps of data with frozen weights, then train"""
-    sync_steps: int = 4
-    """`sync` mode: optimizer steps per generation round (G)"""
-    steps_ahead: float = 3
-    """`pipeline` mode: the actor starts groups for at most this many optimizer steps beyond the
-    servers' weights (this sets the lag: the mean lag stays below it, by how much depends on how generation and
-    training times compare, see benchmarks/README.md; 1 leaves the servers idle while the trainer steps; the
-    trainer takes groups in the order they finish, so a group that finishes after later ones, or is retried, can
-    lag more). A fraction lets that share of each step's problems start a step earlier (2.5: half of them start
-    as with 3, half as with 2), for a lag between the two; it needs requests that small (`problems_per_request`)"""
-
-    # problems and model
     model: str = "tiny-math"
     """model name or folder, for the servers and the trainer alike"""
     problems: str = "tiny-sums"
@@ -154,7 +118,19 @@ class GRPOArgs(RunArgs):
     """score the last boxed answer only as a plain integer, anything else 0: math_verify evaluates a boxed
     expression, so a policy learns to box the question (`\\boxed{6-1}` scores as 5) instead of answering it"""
 
-    # sampling
+    def chat_messages(self, prompt: str) -> list[dict[str, str]]:
+        """A problem's chat request: the worked example's exchange (`chat_example`), then the problem."""
+        example = []
+        if self.chat_example:
+            question, answer = self.chat_example
+            example = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+        return [*example, {"role": "user", "content": prompt}]
+
+
+@dataclass
+class SamplingArgs:
+    """How the servers sample a problem's group of attempts."""
+
     group_size: int = 8
     """attempts per problem (the group whose mean reward is the baseline)"""
     max_tokens: int = 8
@@ -164,7 +140,11 @@ class GRPOArgs(RunArgs):
     ignore_eos: bool = False
     """sample exactly max_tokens tokens, past EOS (speed benchmarks: every sample costs the same)"""
 
-    # optimisation
+
+@dataclass
+class OptimArgs:
+    """The optimizer, its steps and their size."""
+
     steps: int = 60
     """optimizer steps"""
     batch_size: int = 64
@@ -178,7 +158,16 @@ class GRPOArgs(RunArgs):
     """Adam epsilon"""
     grad_clip: float = 0.3
     """max global gradient norm (PipelineRL: 0.3)"""
-    recipe: Annotated[RecipeName, tyro.conf.arg(help=recipes_help())] = "default"
+    token_budget: int = 4096
+    """tokens per forward/backward micro-batch: its prompts once each, padded to the longest prompt, plus
+    its completions, padded to the longest completion (a group over it is split; the prompts' keys and
+    values, copied to each row, are not counted)"""
+
+
+@dataclass
+class LossArgs:
+    """The policy loss: the fields a `--recipe` sets."""
+
     loss_type: LossType = "reinforce"
     """`reinforce`: importance ratio pi/mu capped above (PipelineRL's; also TRL's loss with truncated importance
     sampling at one gradient step per batch); `ppo_clip`: PPO's clipped ratio (PipelineRL's `ppo`, TRL's); `gspo`:
@@ -231,28 +220,32 @@ class GRPOArgs(RunArgs):
     entropy_coef_final: float | None = None
     """the entropy bonus at the last step, reached linearly (None: entropy_coef throughout; PipelineRL's
     final_entropy_bonus)"""
-    token_budget: int = 4096
-    """tokens per forward/backward micro-batch: its prompts once each, padded to the longest prompt, plus
-    its completions, padded to the longest completion (a group over it is split; the prompts' keys and
-    values, copied to each row, are not counted)"""
-    sample_interval: int = 10
-    """optimizer steps between sample tables (samples.jsonl and wandb; a wandb Table every step would
-    cost a small model's trainer a noticeable share of its time)"""
-    save_interval: int = 20
-    """checkpoint every N optimizer steps (0: never); `--resume` continues from the last one"""
-    resume: bool = False
-    """continue from the last checkpoint in output_dir (through `grpo.launch`, which restarts every process at it)"""
 
-    # processes
-    placement: tyro.conf.OmitArgPrefixes[PlacementArgs] = field(default_factory=PlacementArgs)
-    """the nodes, their devices, and which serve inference (grpo/world.py)"""
+
+@dataclass
+class ScheduleArgs:
+    """When the trainer pushes weights and how far ahead of them the actor runs (`GRPOArgs.run_schedule`)."""
+
+    mode: Mode = "pipeline"
+    """`pipeline`: weights pushed to the servers after every optimizer step while they generate;
+    `sync`: the conventional schedule, generate `sync_steps` steps of data with frozen weights, then train"""
+    sync_steps: int = 4
+    """`sync` mode: optimizer steps per generation round (G)"""
+    steps_ahead: float = 3
+    """`pipeline` mode: the actor starts groups for at most this many optimizer steps beyond the
+    servers' weights (this sets the lag: the mean lag stays below it, by how much depends on how generation and
+    training times compare, see benchmarks/README.md; 1 leaves the servers idle while the trainer steps; the
+    trainer takes groups in the order they finish, so a group that finishes after later ones, or is retried, can
+    lag more). A fraction lets that share of each step's problems start a step earlier (2.5: half of them start
+    as with 3, half as with 2), for a lag between the two; it needs requests that small (`problems_per_request`)"""
+
+
+@dataclass
+class ServingArgs:
+    """The inference servers: how many, which engine, and how the actor asks them."""
+
     num_servers: int = 1
     """inference servers to start (each a process)"""
-    trainer_processes: int = 1
-    """trainer processes the launcher starts; more than one shard the policy, its gradients and optimizer state (and
-    the reference model) over them with FSDP2 (torch's `fully_shard` through accelerate, with the settings of
-    configs/accelerate/fsdp2.yaml), each training on its share of a step's micro-batches, the weights gathered whole
-    once per push to the servers"""
     servers: list[str] = field(default_factory=list)
     """URLs of servers already running (then launch starts none)"""
     engine: Engine = "auto"
@@ -260,9 +253,13 @@ class GRPOArgs(RunArgs):
     tested and lighter one on a CPU); `vllm` is grpo/serving/vllm_server.py, the same contract served by vLLM in its own
     environment (`python -m lm_human_preference_details.grpo.serving.vllm_env` makes it; on a CPU vLLM's attention takes
     heads 32, 64, 80, ... wide, not the tiny presets' 16). `auto`: vLLM where a GPU is visible and its environment
-    holds vLLM's GPU build (`vllm_env --gpu`; where its speed matters), else home (`GRPOArgs.server_engine`)"""
+    holds vLLM's GPU build (`vllm_env --gpu`; where its speed matters), else home (`ServingArgs.server_engine`)"""
     server_batch_size: int = 64
     """sequences each server decodes together"""
+    server_dtype: ServerDtype = "auto"
+    """the servers' weights: `auto` is bfloat16 on a GPU (as vLLM serves) and float32 on the CPU; float32 on a GPU
+    makes on-policy ratios pi/mu exactly 1 (the trainer computes in float32), bfloat16 on the CPU shows what a GPU
+    server's rounding does to them"""
     max_in_flight: int = 32
     """requests (`request_problems()` problems x `group_size` attempts each) the actor keeps in flight
     per server: more sequences than the server's batch, so a finished slot is refilled from its queue at once"""
@@ -271,40 +268,9 @@ class GRPOArgs(RunArgs):
     cost the servers less HTTP and prefill per sample. Divides batch_size / group_size (a request never
     spans two optimizer steps); 0: all of an optimizer step's problems in one request; with `chat` each
     problem still goes in a request of its own"""
-    update_bucket_mb: float = 0.0
-    """weight updates go out as flat buckets of consecutive tensors, at most this many MiB each
-    (0: one broadcast per tensor, PipelineRL's way; on gloo each broadcast has a CPU cost per side however
-    small, which a tiny model's update is mostly made of: see benchmarks/README.md)"""
-    server_dtype: ServerDtype = "auto"
-    """the servers' weights: `auto` is bfloat16 on a GPU (as vLLM serves) and float32 on the CPU; float32 on a GPU
-    makes on-policy ratios pi/mu exactly 1 (the trainer computes in float32), bfloat16 on the CPU shows what a GPU
-    server's rounding does to them"""
-    weight_backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """how weight updates travel: `gloo` (CPU tensors, or GPU tensors through host memory; works wherever the servers
-    run, also on the trainer's own GPU) or `nccl` (GPU to GPU; only for servers on other GPUs than the trainer's:
-    NCCL refuses two ranks on one GPU). `auto`: nccl where the map puts the servers on GPUs of their own, else gloo"""
-    stream: str = ""
-    """where samples go: empty = `<output_dir>/stream.jsonl`, or `redis://HOST:PORT/DB?stream=NAME`"""
-    trainer_host: str = "127.0.0.1"
-    """address at which the servers reach the trainer for the weight broadcast"""
-    threads: int = 0
-    """torch CPU threads per process (server, trainer); 0: the cores shared among the processes that compute
-    at once. `pipeline`: the servers and the trainer's processes run side by side, cores // (servers +
-    trainer_processes) each (more oversubscribes the cores, and threads that wait for each other's cores make every
-    process slower). `sync`: they take turns, so the trainer's processes share every core and the servers do.
-    Servers given with `--servers` count as on this machine; pass `--threads` when they are not"""
     request_timeout_s: float = 300.0
     """a completion request taking longer is retried on another server; with no usable server for this long, the actor
     fails the run"""
-
-    @classmethod
-    def recipe_flags(cls, name: str) -> list[str]:
-        """The flags `--recipe NAME` stands for (`cli.parse` puts them right after it): every loss field, at the
-        recipe's value or else its default. A UserError for an unknown recipe."""
-        if name not in RECIPES:
-            raise UserError(f"--recipe {name!r} is unknown; choose one of {', '.join(RECIPES)}")
-        defaults = cls()
-        return settings_as_flags({field: getattr(defaults, field) for field in LOSS_FIELDS} | RECIPES[name].settings)
 
     def server_engine(self) -> Literal["home", "vllm"]:
         """`engine` with `auto` resolved: vLLM where its environment holds the GPU build and a GPU is visible, else
@@ -322,112 +288,32 @@ class GRPOArgs(RunArgs):
             raise UserError(f"--engine vllm: {error}") from None
         return "vllm"
 
-    def stream_url(self) -> str:
-        return self.stream or os.path.join(self.output_dir, "stream.jsonl")
 
-    def groups_per_step(self) -> int:
-        return self.batch_size // self.group_size
+@dataclass
+class ProcessArgs:
+    """The trainer's processes, every process's threads, and how the weights travel to the servers."""
 
-    def request_problems(self) -> int:
-        """Problems in one completion request: `problems_per_request`, or when 0 an optimizer step's."""
-        return self.problems_per_request or self.groups_per_step()
-
-    def schedule(self) -> Schedule:
-        """When the trainer reads, pushes and saves, and how far ahead the actor runs."""
-        return Schedule(
-            mode=self.mode,
-            steps=self.steps,
-            sync_steps=self.sync_steps,
-            steps_ahead=self.steps_ahead,
-            groups_per_step=self.groups_per_step(),
-            request_problems=self.request_problems(),
-        )
-
-    def torch_threads(self, role: Literal["server", "trainer"]) -> int:
-        """`threads`, or when 0 the share of the cores that this mode gives each server or the trainer."""
-        if self.threads:
-            return self.threads
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        servers = len(self.servers) or self.num_servers
-        if self.mode == "pipeline":
-            return max(1, cores // (servers + self.trainer_processes))
-        return max(1, cores // self.trainer_processes) if role == "trainer" else max(1, cores // servers)
-
-    def chat_messages(self, prompt: str) -> list[dict[str, str]]:
-        """A problem's chat request: the worked example's exchange (`chat_example`), then the problem."""
-        example = []
-        if self.chat_example:
-            question, answer = self.chat_example
-            example = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
-        return [*example, {"role": "user", "content": prompt}]
-
-    def check(self) -> None:
-        """Sizes that must fit together; a UserError names the field and the fix."""
-        if self.chat_example and (len(self.chat_example) != 2 or not self.chat):
-            raise UserError(
-                f"--chat-example: give two texts, a question and its answer, with --chat (got {len(self.chat_example)}"
-                f"{'' if self.chat else ' without --chat'})"
-            )
-        if self.batch_size < self.group_size:
-            raise UserError(f"--batch-size {self.batch_size} must be at least --group-size {self.group_size}")
-        if self.group_size < 1 or self.group_size < 2 and self.use_advantages:
-            raise UserError(
-                f"--group-size {self.group_size}: a group needs at least 2 attempts (one is its own baseline, "
-                "advantage 0, as in PipelineRL; --no-use-advantages trains on the rewards, in groups of any size)"
-            )
-        if self.batch_size % self.group_size:
-            raise UserError(f"--batch-size {self.batch_size} must be a multiple of --group-size {self.group_size}")
-        for name in (
-            "steps",
-            "sync_steps",
-            "steps_ahead",
-            "num_servers",
-            "trainer_processes",
-            "server_batch_size",
-            "max_in_flight",
-            "max_tokens",
-            "sample_interval",
-        ):
-            if getattr(self, name) < 1:
-                raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if not (math.isfinite(self.temperature) and self.temperature >= MIN_TEMPERATURE):
-            raise UserError(
-                f"--temperature must be a finite number >= {MIN_TEMPERATURE} (sampling only), got {self.temperature}"
-            )
-        for name in ("lr", "ratio_cap", "clip_eps", "kl_clamp", "grad_clip", "request_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise UserError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
-        if self.clip_eps_high is not None and not self.clip_eps_high > 0:
-            raise UserError(f"--clip-eps-high must be > 0 (or None: --clip-eps), got {self.clip_eps_high}")
-        for name in ("kl_coef", "save_interval", "update_bucket_mb", "threads", "problems_per_request", "num_problems"):
-            if getattr(self, name) < 0:
-                raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
-        if self.kl_coef_final is not None and not self.kl_coef_final >= 0:
-            raise UserError(f"--kl-coef-final must be >= 0 (or None: --kl-coef throughout), got {self.kl_coef_final}")
-        for name in ("entropy_coef", "entropy_coef_final"):
-            if getattr(self, name) is not None and not math.isfinite(getattr(self, name)):
-                raise UserError(f"--{name.replace('_', '-')} must be a finite number, got {getattr(self, name)}")
-        if self.importance_sampling != "token_truncate" and self.loss_type != "reinforce":
-            raise UserError(
-                f"--importance-sampling {self.importance_sampling} weighs --loss-type reinforce's gradient; "
-                f"{self.loss_type} clips its ratio instead: pass --loss-type reinforce, or leave --importance-sampling"
-            )
-        if self.groups_per_step() % self.request_problems():
-            raise UserError(
-                f"--problems-per-request {self.problems_per_request} must divide the {self.groups_per_step()} "
-                f"problems of an optimizer step (batch_size / group_size), or be 0: all of them in one request"
-            )
-        choices = (1 if self.chat else self.request_problems()) * self.group_size
-        if choices > MAX_CHOICES:
-            raise UserError(
-                f"--problems-per-request {self.problems_per_request}: {choices} samples in one request (problems x "
-                f"--group-size {self.group_size}), a server takes at most {MAX_CHOICES}: pass one that divides the "
-                f"{self.groups_per_step()} problems of a step into requests of at most {MAX_CHOICES // self.group_size}"
-            )
-        if self.mode == "pipeline":
-            self.schedule().problems_ahead()  # a fraction of a step the problems or requests cannot split: refused
-        if self.token_budget < 1:
-            raise UserError(f"--token-budget must be >= 1, got {self.token_budget}")
+    trainer_processes: int = 1
+    """trainer processes the launcher starts; more than one shard the policy, its gradients and optimizer state (and
+    the reference model) over them with FSDP2 (torch's `fully_shard` through accelerate, with the settings of
+    configs/accelerate/fsdp2.yaml), each training on its share of a step's micro-batches, the weights gathered whole
+    once per push to the servers"""
+    threads: int = 0
+    """torch CPU threads per process (server, trainer); 0: the cores shared among the processes that compute
+    at once. `pipeline`: the servers and the trainer's processes run side by side, cores // (servers +
+    trainer_processes) each (more oversubscribes the cores, and threads that wait for each other's cores make every
+    process slower). `sync`: they take turns, so the trainer's processes share every core and the servers do.
+    Servers given with `--servers` count as on this machine; pass `--threads` when they are not"""
+    trainer_host: str = "127.0.0.1"
+    """address at which the servers reach the trainer for the weight broadcast"""
+    weight_backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """how weight updates travel: `gloo` (CPU tensors, or GPU tensors through host memory; works wherever the servers
+    run, also on the trainer's own GPU) or `nccl` (GPU to GPU; only for servers on other GPUs than the trainer's:
+    NCCL refuses two ranks on one GPU). `auto`: nccl where the map puts the servers on GPUs of their own, else gloo"""
+    update_bucket_mb: float = 0.0
+    """weight updates go out as flat buckets of consecutive tensors, at most this many MiB each
+    (0: one broadcast per tensor, PipelineRL's way; on gloo each broadcast has a CPU cost per side however
+    small, which a tiny model's update is mostly made of: see benchmarks/README.md)"""
 
     def sender_backend(self) -> WeightBackend:
         """The weight backend the trainer sends with: `weight_backend`, whose `auto` the launcher resolves from the
@@ -446,6 +332,152 @@ class GRPOArgs(RunArgs):
                 )
 
 
+@dataclass
+class GRPOArgs(RunArgs):
+    """GRPO with verifiable rewards, trained the PipelineRL way (in-flight weight updates)."""
+
+    output_dir: str = "runs/grpo"
+    """metrics.jsonl, samples.jsonl, the stream, process logs, checkpoints"""
+    stream: str = ""
+    """where samples go: empty = `<output_dir>/stream.jsonl`, or `redis://HOST:PORT/DB?stream=NAME`"""
+    recipe: Annotated[RecipeName, tyro.conf.arg(help=recipes_help())] = "default"
+    sample_interval: int = 10
+    """optimizer steps between sample tables (samples.jsonl and wandb; a wandb Table every step would
+    cost a small model's trainer a noticeable share of its time)"""
+    save_interval: int = 20
+    """checkpoint every N optimizer steps (0: never); `--resume` continues from the last one"""
+    resume: bool = False
+    """continue from the last checkpoint in output_dir (through `grpo.launch`, which restarts every process at it)"""
+    task: tyro.conf.OmitArgPrefixes[TaskArgs] = field(default_factory=TaskArgs)
+    sampling: tyro.conf.OmitArgPrefixes[SamplingArgs] = field(default_factory=SamplingArgs)
+    optim: tyro.conf.OmitArgPrefixes[OptimArgs] = field(default_factory=OptimArgs)
+    loss: tyro.conf.OmitArgPrefixes[LossArgs] = field(default_factory=LossArgs)
+    schedule: tyro.conf.OmitArgPrefixes[ScheduleArgs] = field(default_factory=ScheduleArgs)
+    serving: tyro.conf.OmitArgPrefixes[ServingArgs] = field(default_factory=ServingArgs)
+    processes: tyro.conf.OmitArgPrefixes[ProcessArgs] = field(default_factory=ProcessArgs)
+    placement: tyro.conf.OmitArgPrefixes[PlacementArgs] = field(default_factory=PlacementArgs)
+
+    @classmethod
+    def recipe_flags(cls, name: str) -> list[str]:
+        """The flags `--recipe NAME` stands for (`cli.parse` puts them right after it): every loss field, at the
+        recipe's value or else its default. A UserError for an unknown recipe."""
+        if name not in RECIPES:
+            raise UserError(f"--recipe {name!r} is unknown; choose one of {', '.join(RECIPES)}")
+        return settings_as_flags(asdict(LossArgs()) | RECIPES[name].settings)
+
+    def stream_url(self) -> str:
+        return self.stream or os.path.join(self.output_dir, "stream.jsonl")
+
+    def flag_values(self) -> dict[str, object]:
+        """Every field under its flag's name (`lr`, not `optim.lr`: the sub-configs' flags have no prefix, so their
+        names are unique); what a checkpoint records, as it did before the fields were grouped."""
+        values = {}
+        for field_ in fields(self):
+            value = getattr(self, field_.name)
+            values |= asdict(value) if is_dataclass(value) else {field_.name: value}
+        return values
+
+    def groups_per_step(self) -> int:
+        return self.optim.batch_size // self.sampling.group_size
+
+    def request_problems(self) -> int:
+        """Problems in one completion request: `problems_per_request`, or when 0 an optimizer step's."""
+        return self.serving.problems_per_request or self.groups_per_step()
+
+    def run_schedule(self) -> Schedule:
+        """When the trainer reads, pushes and saves, and how far ahead the actor runs."""
+        return Schedule(
+            mode=self.schedule.mode,
+            steps=self.optim.steps,
+            sync_steps=self.schedule.sync_steps,
+            steps_ahead=self.schedule.steps_ahead,
+            groups_per_step=self.groups_per_step(),
+            request_problems=self.request_problems(),
+        )
+
+    def torch_threads(self, role: Literal["server", "trainer"]) -> int:
+        """`threads`, or when 0 the share of the cores that this mode gives each server or the trainer."""
+        if self.processes.threads:
+            return self.processes.threads
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        servers = len(self.serving.servers) or self.serving.num_servers
+        trainers = self.processes.trainer_processes
+        if self.schedule.mode == "pipeline":
+            return max(1, cores // (servers + trainers))
+        return max(1, cores // trainers) if role == "trainer" else max(1, cores // servers)
+
+    def check(self) -> None:
+        """Sizes that must fit together; a UserError names the field and the fix."""
+        task, sampling, optim, loss, values = self.task, self.sampling, self.optim, self.loss, self.flag_values()
+        if task.chat_example and (len(task.chat_example) != 2 or not task.chat):
+            raise UserError(
+                f"--chat-example: give two texts, a question and its answer, with --chat (got {len(task.chat_example)}"
+                f"{'' if task.chat else ' without --chat'})"
+            )
+        if optim.batch_size < sampling.group_size:
+            raise UserError(f"--batch-size {optim.batch_size} must be at least --group-size {sampling.group_size}")
+        if sampling.group_size < 1 or sampling.group_size < 2 and loss.use_advantages:
+            raise UserError(
+                f"--group-size {sampling.group_size}: a group needs at least 2 attempts (one is its own baseline, "
+                "advantage 0, as in PipelineRL; --no-use-advantages trains on the rewards, in groups of any size)"
+            )
+        if optim.batch_size % sampling.group_size:
+            raise UserError(f"--batch-size {optim.batch_size} must be a multiple of --group-size {sampling.group_size}")
+        for name in (
+            "steps",
+            "sync_steps",
+            "steps_ahead",
+            "num_servers",
+            "trainer_processes",
+            "server_batch_size",
+            "max_in_flight",
+            "max_tokens",
+            "sample_interval",
+        ):
+            if values[name] < 1:
+                raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {values[name]}")
+        if not (math.isfinite(sampling.temperature) and sampling.temperature >= MIN_TEMPERATURE):
+            raise UserError(
+                f"--temperature must be a finite number >= {MIN_TEMPERATURE} (sampling only), "
+                f"got {sampling.temperature}"
+            )
+        for name in ("lr", "ratio_cap", "clip_eps", "kl_clamp", "grad_clip", "request_timeout_s"):
+            if values[name] <= 0:
+                raise UserError(f"--{name.replace('_', '-')} must be > 0, got {values[name]}")
+        if loss.clip_eps_high is not None and not loss.clip_eps_high > 0:
+            raise UserError(f"--clip-eps-high must be > 0 (or None: --clip-eps), got {loss.clip_eps_high}")
+        for name in ("kl_coef", "save_interval", "update_bucket_mb", "threads", "problems_per_request", "num_problems"):
+            if values[name] < 0:
+                raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {values[name]}")
+        if loss.kl_coef_final is not None and not loss.kl_coef_final >= 0:
+            raise UserError(f"--kl-coef-final must be >= 0 (or None: --kl-coef throughout), got {loss.kl_coef_final}")
+        for name in ("entropy_coef", "entropy_coef_final"):
+            if values[name] is not None and not math.isfinite(values[name]):
+                raise UserError(f"--{name.replace('_', '-')} must be a finite number, got {values[name]}")
+        if loss.importance_sampling != "token_truncate" and loss.loss_type != "reinforce":
+            raise UserError(
+                f"--importance-sampling {loss.importance_sampling} weighs --loss-type reinforce's gradient; "
+                f"{loss.loss_type} clips its ratio instead: pass --loss-type reinforce, or leave --importance-sampling"
+            )
+        if self.groups_per_step() % self.request_problems():
+            raise UserError(
+                f"--problems-per-request {self.serving.problems_per_request} must divide the {self.groups_per_step()} "
+                f"problems of an optimizer step (batch_size / group_size), or be 0: all of them in one request"
+            )
+        choices = (1 if task.chat else self.request_problems()) * sampling.group_size
+        if choices > MAX_CHOICES:
+            raise UserError(
+                f"--problems-per-request {self.serving.problems_per_request}: {choices} samples in one request "
+                f"(problems x --group-size {sampling.group_size}), a server takes at most {MAX_CHOICES}: pass one that "
+                f"divides the {self.groups_per_step()} problems of a step into requests of at most "
+                f"{MAX_CHOICES // sampling.group_size}"
+            )
+        if self.schedule.mode == "pipeline":
+            self.run_schedule().problems_ahead()  # a fraction of a step the problems or requests cannot split: refused
+        if optim.token_budget < 1:
+            raise UserError(f"--token-budget must be >= 1, got {optim.token_budget}")
+
+
 PRESETS: dict[str, GRPOArgs] = {
     # learns fast on a CPU: the format-taught tiny model, sums of two digits 0-4 (25 problems)
     # (the tiny model is cheap to run, so overheads rule: a server batch of 256 amortises each decode
@@ -454,36 +486,28 @@ PRESETS: dict[str, GRPOArgs] = {
     # broadcast; benchmarks/README.md has the timings)
     "tiny": GRPOArgs(
         preset="tiny",
-        model="tiny-math",
-        problems="tiny-sums",
-        answer_prefix="\\boxed{",
-        group_size=8,
-        batch_size=64,
-        max_tokens=6,
-        steps=100,
-        lr=5e-4,
-        steps_ahead=4,
-        server_batch_size=256,
-        problems_per_request=0,
-        update_bucket_mb=16,
+        task=TaskArgs(model="tiny-math", problems="tiny-sums", answer_prefix="\\boxed{"),
+        sampling=SamplingArgs(group_size=8, max_tokens=6),
+        optim=OptimArgs(batch_size=64, steps=100, lr=5e-4),
+        schedule=ScheduleArgs(steps_ahead=4),
+        serving=ServingArgs(server_batch_size=256, problems_per_request=0),
+        processes=ProcessArgs(update_bucket_mb=16),
     ),
     # a real pretrained LM (SmolLM2-135M-Instruct, offline) completing `4+5=\boxed{`: rarely right at
     # the start; sized for a GPU (on a few CPU cores a step takes seconds)
     "arith": GRPOArgs(
         preset="arith",
-        model="smollm2-135m",
-        problems="arith",
-        arith_digits=1,
-        arith_template="{expression}=\\boxed{{",
-        answer_prefix="\\boxed{",
-        group_size=8,
-        batch_size=32,
-        max_tokens=8,
-        steps=40,
-        lr=1e-5,
-        num_problems=512,
-        max_in_flight=8,
-        server_batch_size=64,
+        task=TaskArgs(
+            model="smollm2-135m",
+            problems="arith",
+            arith_digits=1,
+            arith_template="{expression}=\\boxed{{",
+            answer_prefix="\\boxed{",
+            num_problems=512,
+        ),
+        sampling=SamplingArgs(group_size=8, max_tokens=8),
+        optim=OptimArgs(batch_size=32, steps=40, lr=1e-5),
+        serving=ServingArgs(max_in_flight=8, server_batch_size=64),
     ),
     # the reasoning quickstart (grpo/quickstart.py): SmolLM2-135M-Instruct asked through its chat template for
     # one-digit + - * answers in \boxed{}, after one worked exchange that shows the format on a question outside the
@@ -492,24 +516,21 @@ PRESETS: dict[str, GRPOArgs] = {
     # 240 of the 300 problems (with repeats), the ones never drawn are for held-out checks (what it does: README.md)
     "arith-chat": GRPOArgs(
         preset="arith-chat",
-        model="smollm2-135m",
-        problems="arith",
-        arith_digits=1,
-        chat=True,
-        chat_example=[
-            "What is the capital of France? Put the final answer in \\boxed{}.",
-            "The capital of France is Paris.\n\nThe answer is \\boxed{Paris}.",
-        ],
-        integer_answers=True,
-        group_size=8,
-        batch_size=32,
-        max_tokens=24,
-        temperature=0.7,
-        steps=60,
-        lr=1e-5,
-        num_problems=240,
-        max_in_flight=8,
-        server_batch_size=64,
+        task=TaskArgs(
+            model="smollm2-135m",
+            problems="arith",
+            arith_digits=1,
+            chat=True,
+            chat_example=[
+                "What is the capital of France? Put the final answer in \\boxed{}.",
+                "The capital of France is Paris.\n\nThe answer is \\boxed{Paris}.",
+            ],
+            integer_answers=True,
+            num_problems=240,
+        ),
+        sampling=SamplingArgs(group_size=8, max_tokens=24, temperature=0.7),
+        optim=OptimArgs(batch_size=32, steps=60, lr=1e-5),
+        serving=ServingArgs(max_in_flight=8, server_batch_size=64),
     ),
 }
 

@@ -96,10 +96,10 @@ def free_port() -> int:
 
 
 class ServerEngine:
-    """Which server the launcher starts (`GRPOArgs.server_engine`): `home` (grpo/serving/server.py in this interpreter)
-    or `vllm` (grpo/serving/vllm_server.py in the vLLM environment, its caches and sockets in the run's folder).
-    Everything the engine changes in how a server starts is here; its flags (model, threads, seed, batch, version,
-    dtype) are one."""
+    """Which server the launcher starts (`ServingArgs.server_engine`): `home` (grpo/serving/server.py in this
+    interpreter) or `vllm` (grpo/serving/vllm_server.py in the vLLM environment, its caches and sockets in the run's
+    folder). Everything the engine changes in how a server starts is here; its flags (model, threads, seed, batch,
+    version, dtype) are one."""
 
     def __init__(self, name: Literal["home", "vllm"], output_dir: str):
         self.name = name
@@ -185,8 +185,8 @@ def server_flags(
     `threads` (default: `GRPOArgs.torch_threads`), and for vLLM the GPUs it spans (`tensor_parallel`)."""
     return [
         *("--model", model, "--threads", str(threads or args.torch_threads("server"))),
-        *("--seed", str(args.seed + i), "--max-batch-size", str(args.server_batch_size)),
-        *("--version", str(version), "--exit-with-parent", "--dtype", args.server_dtype),
+        *("--seed", str(args.seed + i), "--max-batch-size", str(args.serving.server_batch_size)),
+        *("--version", str(version), "--exit-with-parent", "--dtype", args.serving.server_dtype),
         *(("--tensor-parallel-size", str(tensor_parallel)) if tensor_parallel > 1 else ()),
     ]
 
@@ -211,7 +211,7 @@ class Run:
         self.engine = engine or ServerEngine("home", args.output_dir)
         self.engines: dict[str, str] = {}  # URL: the engine of each server started here
         self.servers: list[subprocess.Popen] = []
-        self.server_urls: list[str] = list(args.servers)
+        self.server_urls: list[str] = list(args.serving.servers)
         self.local_urls: dict[int, str] = {}  # the map's index: URL, of the servers this node started
         self.roles: dict[str, multiprocessing.Process] = {}
         self._send_server_urls: list[Connection] = []
@@ -342,7 +342,7 @@ class Run:
             # the trainer's last update may still be on its way in: counted once it serves (a dropped or
             # stale server never gets there: its counters as they are)
             with contextlib.suppress(ServerError):
-                request_json("GET", f"{url}/health?wait_for_version={self.args.steps}&timeout_s=5", timeout_s=10)
+                request_json("GET", f"{url}/health?wait_for_version={self.args.optim.steps}&timeout_s=5", timeout_s=10)
             try:
                 reply = request_json("GET", f"{url}/metrics", timeout_s=5)
             except ServerError as error:
@@ -379,7 +379,8 @@ def launch(args: GRPOArgs) -> None:
     args.check()
     plan = nodes.plan_node(args)
     agent_store = nodes.forget_placement_variables()  # read: the children get their own
-    engine = None if args.servers else ServerEngine(args.server_engine(), args.output_dir)  # the one place it is chosen
+    # the one place the engine is chosen
+    engine = None if args.serving.servers else ServerEngine(args.serving.server_engine(), args.output_dir)
     if engine is not None and engine.name == "home" and plan.map.servers and len(plan.map.servers[0].devices) > 1:
         raise cli.UserError(
             f"--server-tensor-parallel {len(plan.map.servers[0].devices)}: the home server runs on one device; "
@@ -406,7 +407,7 @@ def launch(args: GRPOArgs) -> None:
             first_group=start.version * args.groups_per_step(),  # they load while the servers do
             trainer_group=(trainer_host, start.trainer_port),
         )
-        if not args.servers:
+        if not args.serving.servers:
             run.start_servers(engine.model_for_servers(start.model) if plan.rank else start.model, start.version)
         run.gather_server_urls()
         if plan.rank == 0:
@@ -474,11 +475,12 @@ def start_of_run(args: GRPOArgs, plan: nodes.NodePlan, engine, meeting) -> rende
         model = checkpoints.checkpoint_model(args.output_dir)
     else:
         tracking.refuse_to_overwrite(args.output_dir, resumable=True)  # before the stream is emptied or anything starts
-        state, model = {"version": 0, "stream_position": 0}, args.model
+        state, model = {"version": 0, "stream_position": 0}, args.task.model
     version = state["version"]
     if engine is not None:
         model = engine.model_for_servers(model)  # before anything starts: a model the engine cannot serve is refused
-    check_serving(args.servers, version, model, "resumes" if args.resume else "starts")  # servers started elsewhere
+    # servers started elsewhere
+    check_serving(args.serving.servers, version, model, "resumes" if args.resume else "starts")
     # a new run starts from an empty stream (an earlier run's samples are not ours); a resumed run
     # drops what the crashed run generated after its checkpoint, from weights that are gone
     dropped = streams.truncate(args.stream_url(), state["stream_position"])

@@ -62,10 +62,10 @@ def plan_node(args: GRPOArgs, environ=os.environ) -> NodePlan:
         device,
         placement.inference_gpus,
         placement.server_tensor_parallel,
-        args.num_servers,
-        args.trainer_processes,
+        args.serving.num_servers,
+        args.processes.trainer_processes,
     )
-    if args.servers and not the_map.colocated:
+    if args.serving.servers and not the_map.colocated:
         raise UserError(
             "--servers: servers started by hand serve one node's colocated layout; with several devices or nodes "
             "the launcher starts the servers the map places (leave --servers out)"
@@ -95,16 +95,16 @@ def forget_placement_variables(environ=os.environ) -> bool:
 def weight_backend_for(args: GRPOArgs, the_map: world.WorldMap) -> WeightBackend:
     """`--weight-backend` with `auto` resolved: NCCL from the trainer's GPU to servers on GPUs of their own, gloo on
     CPUs and on a shared GPU (NCCL refuses two ranks on one GPU). A UserError for NCCL where it cannot run."""
-    if args.weight_backend == "auto":
+    if args.processes.weight_backend == "auto":
         return "nccl" if the_map.device == "cuda" and not the_map.colocated else "gloo"
-    if args.weight_backend == "nccl" and the_map.device == "cpu":
+    if args.processes.weight_backend == "nccl" and the_map.device == "cpu":
         raise UserError("--weight-backend nccl sends GPU tensors and this run is on CPUs: use --weight-backend gloo")
-    if args.weight_backend == "nccl" and the_map.colocated and not args.servers:
+    if args.processes.weight_backend == "nccl" and the_map.colocated and not args.serving.servers:
         raise UserError(
             "--weight-backend nccl: the servers this launcher starts share the trainer's GPU, where NCCL refuses two "
             "ranks; use --weight-backend gloo, or give the run more GPUs (--inference-gpus) or --servers on others"
         )
-    return args.weight_backend
+    return args.processes.weight_backend
 
 
 def check_stream(args: GRPOArgs, plan: NodePlan) -> None:
@@ -170,19 +170,19 @@ def role_args(args: GRPOArgs, plan: NodePlan, trainer_host: str) -> GRPOArgs:
     """The arguments the trainer's processes and the actor run with: the map's counts of servers and trainer
     processes, the resolved weight backend, node 0's address for the weight groups, and a CPU stand-in's threads."""
     the_map = plan.map
-    resolved = replace(args, weight_backend=plan.weight_backend)
     if the_map.colocated:
-        return resolved
-    threads = args.threads
+        return replace(args, processes=replace(args.processes, weight_backend=plan.weight_backend))
+    threads = args.processes.threads
     if the_map.device == "cpu" and not threads:
         threads = world.threads_per_device(usable_cores(), the_map.devices_per_node)
-    return replace(
-        resolved,
-        num_servers=len(the_map.servers),
+    processes = replace(
+        args.processes,
+        weight_backend=plan.weight_backend,
         trainer_processes=len(the_map.trainers),
         trainer_host=trainer_host,
         threads=threads,
     )
+    return replace(args, processes=processes, serving=replace(args.serving, num_servers=len(the_map.servers)))
 
 
 def usable_cores() -> int:
@@ -218,6 +218,6 @@ def device_environment(the_map: world.WorldMap, devices: list[int]) -> dict[str,
 
 def server_threads(args: GRPOArgs, the_map: world.WorldMap, server: world.Server) -> int:
     """A server's CPU threads: `--threads`, the colocated layout's share, or its devices' share of a CPU stand-in."""
-    if args.threads or the_map.colocated or the_map.device == "cuda":
+    if args.processes.threads or the_map.colocated or the_map.device == "cuda":
         return args.torch_threads("server")
     return world.threads_per_device(usable_cores(), the_map.devices_per_node) * len(server.devices)

@@ -43,11 +43,11 @@ HELD_OUT = 100
 
 def engine_choice(args: GRPOArgs) -> str:
     """The servers' engine `--engine` resolves to, and why, in a line."""
-    if args.servers:
-        return f"the servers at {', '.join(args.servers)}, as --servers says"
-    if args.server_engine() == "vllm":
+    if args.serving.servers:
+        return f"the servers at {', '.join(args.serving.servers)}, as --servers says"
+    if args.serving.server_engine() == "vllm":
         return "vLLM (`--engine home` for this package's decoder)"
-    if args.engine == "home":
+    if args.serving.engine == "home":
         return "the home engine (grpo/serving/server.py), as --engine says"
     return (
         "the home engine (grpo/serving/server.py): vLLM is taken where a GPU is visible and `vllm_env --gpu` has made "
@@ -59,12 +59,12 @@ def engine_choice(args: GRPOArgs) -> str:
 def check(args: GRPOArgs) -> None:
     """What the quickstart cannot do with the flags given, refused before any model loads."""
     args.check()
-    args.check_weight_backend()
+    args.processes.check_weight_backend()
     if args.resume:
         raise cli.UserError("--resume: the quickstart starts over; resume its training with grpo.launch --resume")
     if args.save_interval == 0:
         raise cli.UserError("--save-interval 0: the held-out answers after training come from the last checkpoint")
-    if args.ignore_eos:
+    if args.sampling.ignore_eos:
         raise cli.UserError("--ignore-eos: the held-out answers stop at EOS, as training's must to compare them")
 
 
@@ -75,8 +75,8 @@ def held_out_problems(args: GRPOArgs) -> list[Problem]:
     unseen = [p for p in family if p.prompt not in seen]
     if not unseen:
         raise cli.UserError(
-            f"--num-problems {args.num_problems}: the training stream shows all {len(family)} problems of "
-            f"--problems {args.problems}, none is left to hold out; pass a --num-problems below {len(family)}"
+            f"--num-problems {args.task.num_problems}: the training stream shows all {len(family)} problems of "
+            f"--problems {args.task.problems}, none is left to hold out; pass a --num-problems below {len(family)}"
         )
     random.Random(args.seed + 1).shuffle(unseen)
     return unseen[:HELD_OUT]
@@ -97,9 +97,9 @@ def answers(model_path: str, args: GRPOArgs, problems: list[Problem], seed: int)
     torch.manual_seed(seed)
     completions, bar = [], progress_bar(len(problems), "held-out answers", "problem")
     for problem in problems:
-        if args.chat:
+        if args.task.chat:
             ids = tokenizer.apply_chat_template(
-                args.chat_messages(problem.prompt), add_generation_prompt=True, return_dict=False
+                args.task.chat_messages(problem.prompt), add_generation_prompt=True, return_dict=False
             )
         else:
             ids = tokenizer(problem.prompt, add_special_tokens=False)["input_ids"]  # as the servers tokenize
@@ -107,9 +107,9 @@ def answers(model_path: str, args: GRPOArgs, problems: list[Problem], seed: int)
         out = model.generate(  # without gradients of its own
             prompt,
             attention_mask=torch.ones_like(prompt),
-            max_new_tokens=args.max_tokens,
+            max_new_tokens=args.sampling.max_tokens,
             do_sample=True,
-            temperature=args.temperature,
+            temperature=args.sampling.temperature,
             top_k=0,
             top_p=1.0,
             eos_token_id=tokenizer.eos_token_id,  # the servers' stop token
@@ -123,7 +123,10 @@ def answers(model_path: str, args: GRPOArgs, problems: list[Problem], seed: int)
 
 def success(args: GRPOArgs, problems: list[Problem], completions: list[str]) -> list[float]:
     """Each completion's reward, as the actor scores it (the answer prefix put back in front)."""
-    return [math_reward(args.answer_prefix + c, p.answer, args.integer_answers) for p, c in zip(problems, completions)]
+    return [
+        math_reward(args.task.answer_prefix + c, p.answer, args.task.integer_answers)
+        for p, c in zip(problems, completions)
+    ]
 
 
 def plot(args: GRPOArgs, before: float, after: float, last: int, png: str) -> None:
@@ -137,7 +140,7 @@ def plot(args: GRPOArgs, before: float, after: float, last: int, png: str) -> No
             "entropy": ["entropy"],
         },
         png,
-        title=f"pipelined GRPO on {args.model}, preset {args.preset}",
+        title=f"pipelined GRPO on {args.task.model}, preset {args.preset}",
         points={"success rate": {"held out (before, after)": [(0, before), (last, after)]}},
     )
 
@@ -158,10 +161,10 @@ def main() -> None:
     else:
         args.mixed_precision, reason = precision.fastest_precision()
         print(f"trainer: {reason}")
-    if args.mixed_precision == "bf16" and args.server_dtype == "auto":
-        args.server_dtype = "bfloat16"  # the servers' matmuls in the precision the trainer found fastest
+    if args.mixed_precision == "bf16" and args.serving.server_dtype == "auto":
+        args.serving.server_dtype = "bfloat16"  # the servers' matmuls in the precision the trainer found fastest
     print(f"held out: {len(problems)} problems the training stream never shows; answering them before training")
-    before = answers(args.model, args, problems, seed=args.seed)
+    before = answers(args.task.model, args, problems, seed=args.seed)
     scores_before = success(args, problems, before)
     rate_before = sum(scores_before) / len(problems)
     print(f"held-out success before training: {rate_before:.3f}")

@@ -136,18 +136,19 @@ def _canonical_integer(text: str) -> str:
 def load_task_problems(args: "GRPOArgs") -> list[Problem]:
     """The run's problems (`--problems`, `--num-problems`, `--arith-*`) in a seeded order (the actor cycles
     through them)."""
-    if args.problems == "tiny-sums":
+    task = args.task
+    if task.problems == "tiny-sums":
         problems = tiny_sums()
-    elif args.problems == "arith":
+    elif task.problems == "arith":
         problems = arithmetic_problems(
-            count=args.num_problems or 1000, seed=args.seed, digits=args.arith_digits, template=args.arith_template
+            count=task.num_problems or 1000, seed=args.seed, digits=task.arith_digits, template=task.arith_template
         )
     else:
-        problems = load_problems(args.problems, limit=args.num_problems or None)
-    if args.num_problems:
-        problems = problems[: args.num_problems]
+        problems = load_problems(task.problems, limit=task.num_problems or None)
+    if task.num_problems:
+        problems = problems[: task.num_problems]
     if not problems:
-        raise UserError(f"--problems {args.problems}: no problems")
+        raise UserError(f"--problems {task.problems}: no problems")
     random.Random(args.seed).shuffle(problems)
     return problems
 
@@ -195,23 +196,24 @@ def operand_range(digits: int) -> tuple[int, int]:
 def problem_family(args: "GRPOArgs") -> list[Problem]:
     """Every problem the task's generator can draw (`tiny-sums`: its 25; `arith`: every `a<op>b` of its digits, up
     to 2), to hold out the ones a run never shows; a UserError for a fixed set (the hub's, a file)."""
-    if args.problems == "tiny-sums":
+    task = args.task
+    if task.problems == "tiny-sums":
         return tiny_sums()
-    if args.problems == "arith":
-        if args.arith_digits > 2:
+    if task.problems == "arith":
+        if task.arith_digits > 2:
             raise UserError(
-                f"--arith-digits {args.arith_digits}: its {3 * (9 * 10 ** (args.arith_digits - 1)) ** 2:,} problems "
+                f"--arith-digits {task.arith_digits}: its {3 * (9 * 10 ** (task.arith_digits - 1)) ** 2:,} problems "
                 "are too many to list for held-out checks; use 1 or 2"
             )
-        low, high = operand_range(args.arith_digits)
+        low, high = operand_range(task.arith_digits)
         return [
-            arithmetic_problem(a, op, b, args.arith_template, id=f"arith-{a}{op}{b}")
+            arithmetic_problem(a, op, b, task.arith_template, id=f"arith-{a}{op}{b}")
             for op in "+-*"
             for a in range(low, high + 1)
             for b in range(low, high + 1)
         ]
     raise UserError(
-        f"--problems {args.problems}: a fixed set, with no problems beyond the run's to hold out; the quickstart takes "
+        f"--problems {task.problems}: a fixed set, with no problems beyond the run's to hold out; the quickstart takes "
         "--problems arith or tiny-sums (train on a fixed set with grpo.launch)"
     )
 

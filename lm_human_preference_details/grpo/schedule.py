@@ -18,7 +18,7 @@ Mode = Literal["pipeline", "sync"]
 
 @dataclass(frozen=True)
 class Schedule:
-    """A run's schedule, from its `GRPOArgs` (`GRPOArgs.schedule`)."""
+    """A run's schedule, from its `GRPOArgs` (`GRPOArgs.run_schedule`)."""
 
     mode: Mode
     steps: int

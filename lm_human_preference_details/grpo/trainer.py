@@ -169,16 +169,16 @@ def check_group(group: Group, args: GRPOArgs) -> None:
     """UserError when a stream record was made with other settings than this trainer's: a group of another
     size would be split or merged by the advantage baseline, and logprobs at another temperature make pi/mu
     wrong for every token (a trainer and an actor started apart, with different flags)."""
-    if len(group.attempts) != args.group_size:
+    if len(group.attempts) != args.sampling.group_size:
         raise cli.UserError(
             f"the stream's group for problem {group.problem_id!r} has {len(group.attempts)} attempts, "
-            f"this trainer's --group-size is {args.group_size}: start the trainer with the actor's settings"
+            f"this trainer's --group-size is {args.sampling.group_size}: start the trainer with the actor's settings"
         )
     # streams written before it was recorded (None): trusted
-    if group.temperature is not None and group.temperature != args.temperature:
+    if group.temperature is not None and group.temperature != args.sampling.temperature:
         raise cli.UserError(
             f"the stream's group for problem {group.problem_id!r} was sampled at temperature "
-            f"{group.temperature}, this trainer's --temperature is {args.temperature}: start the trainer "
+            f"{group.temperature}, this trainer's --temperature is {args.sampling.temperature}: start the trainer "
             "with the actor's settings"
         )
 
@@ -191,17 +191,18 @@ def flatten_groups(groups: list[Group]) -> list[Attempt]:
 def loss_settings(args: GRPOArgs, step: int) -> LossSettings:
     """The loss's settings for the step after `step` completed ones: the KL coefficient and the entropy bonus each go
     linearly from its value to its `_final` one (None: it stays) over the run's steps, as PipelineRL's schedules do."""
-    kl_final = args.kl_coef if args.kl_coef_final is None else args.kl_coef_final
-    entropy_final = args.entropy_coef if args.entropy_coef_final is None else args.entropy_coef_final
+    loss = args.loss
+    kl_final = loss.kl_coef if loss.kl_coef_final is None else loss.kl_coef_final
+    entropy_final = loss.entropy_coef if loss.entropy_coef_final is None else loss.entropy_coef_final
     return LossSettings(
-        loss_type=args.loss_type,
-        ratio_cap=args.ratio_cap,
-        importance_sampling=args.importance_sampling,
-        clip_eps=args.clip_eps,
-        clip_eps_high=args.clip_eps_high,
-        kl_coef=linear_decay(step, args.steps, args.kl_coef, kl_final),
-        kl_clamp=args.kl_clamp,
-        entropy_coef=linear_decay(step, args.steps, args.entropy_coef, entropy_final),
+        loss_type=loss.loss_type,
+        ratio_cap=loss.ratio_cap,
+        importance_sampling=loss.importance_sampling,
+        clip_eps=loss.clip_eps,
+        clip_eps_high=loss.clip_eps_high,
+        kl_coef=linear_decay(step, args.optim.steps, loss.kl_coef, kl_final),
+        kl_clamp=loss.kl_clamp,
+        entropy_coef=linear_decay(step, args.optim.steps, loss.entropy_coef, entropy_final),
     )
 
 
@@ -209,9 +210,12 @@ def loss_rows(groups: list[Group], args: GRPOArgs, rewards: torch.Tensor) -> dic
     """Per sample, in `flatten_groups` order: `policy_weights`, what multiplies its log pi (its advantage, or
     reward); `kept`, 0 where overlong filtering leaves it out (finish_reason `length`); `group_tokens`, its
     group's mean prompt + completion length (PipelineRL's group normalisation)."""
-    advantages = group_advantages(rewards, args.group_size, args.baseline, args.divide_by_std, std_over=args.std_over)
+    loss = args.loss
+    advantages = group_advantages(
+        rewards, args.sampling.group_size, loss.baseline, loss.divide_by_std, std_over=loss.std_over
+    )
     samples = flatten_groups(groups)
-    cut = [args.overlong_filtering and s.finish_reason == "length" for s in samples]
+    cut = [loss.overlong_filtering and s.finish_reason == "length" for s in samples]
     # PipelineRL: pipelinerl/finetune/rl/__init__.py#L473, the mean over the group of its sequences' lengths
     group_tokens = [
         len(g.prompt_ids) + sum(len(a.completion_ids) for a in g.attempts) / len(g.attempts)
@@ -219,7 +223,7 @@ def loss_rows(groups: list[Group], args: GRPOArgs, rewards: torch.Tensor) -> dic
         for _ in g.attempts
     ]
     return {
-        "policy_weights": policy_weights(advantages, rewards, args.use_advantages, args.relu_policy_weights),
+        "policy_weights": policy_weights(advantages, rewards, loss.use_advantages, loss.relu_policy_weights),
         "kept": torch.tensor([0.0 if c else 1.0 for c in cut]),
         "group_tokens": torch.tensor(group_tokens),
     }
@@ -347,8 +351,8 @@ def accumulate_gradients(
     num_sequences = len(rewards)
     rows = {k: v.to(model.device) for k, v in loss_rows(groups, args, rewards).items()}
     kept_tokens = sum(len(s.completion_ids) for s, k in zip(flatten_groups(groups), rows["kept"].tolist()) if k)
-    settings = loss_settings(args, step)
-    passes = process_passes(pack(groups, args.token_budget), accelerator)
+    settings, temperature = loss_settings(args, step), args.sampling.temperature
+    passes = process_passes(pack(groups, args.optim.token_budget), accelerator)
     totals = None
     for i, (parts, share) in enumerate(passes):
         batch = batch_tensors(groups, parts, model.device)
@@ -358,11 +362,9 @@ def accumulate_gradients(
             accelerator.autocast() if accelerator else contextlib.nullcontext(),  # the reference's forward too
         ):
             new_logprobs, entropy = token_logprobs(
-                model, batch, args.temperature, vocab_size, entropy_grad=settings.entropy_coef != 0
+                model, batch, temperature, vocab_size, entropy_grad=settings.entropy_coef != 0
             )
-            ref_logprobs = (
-                token_logprobs(reference, batch, args.temperature, vocab_size)[0].detach() if reference else None
-            )
+            ref_logprobs = token_logprobs(reference, batch, temperature, vocab_size)[0].detach() if reference else None
             kept = rows["kept"][batch["rows"]]
             in_loss = batch["mask"] * kept[:, None]
             out = policy_loss(
@@ -376,13 +378,13 @@ def accumulate_gradients(
                 ref_logprobs=ref_logprobs,
                 entropy=entropy,
                 weights=None
-                if args.loss_normalizer == "sequences"
+                if args.loss.loss_normalizer == "sequences"
                 else token_weights(
                     in_loss,
-                    args.loss_normalizer,
+                    args.loss.loss_normalizer,
                     num_sequences,
                     num_tokens=kept_tokens,
-                    max_tokens=args.max_tokens,
+                    max_tokens=args.sampling.max_tokens,
                     group_tokens=rows["group_tokens"][batch["rows"]],
                 ),
             )
@@ -406,7 +408,7 @@ def over_processes(values: list[float], op: str, accelerator) -> list[float]:
 
 
 def train(args: GRPOArgs, wait_for_servers: Callable[[], list[str]]) -> None:
-    """Train until `args.steps`; `wait_for_servers()` returns the servers' URLs once they serve (the
+    """Train until `args.optim.steps`; `wait_for_servers()` returns the servers' URLs once they serve (the
     launcher starts the trainer while they load: models and optimizer are ready by then).
 
     With `--trainer-processes` over 1, every process runs this (started by the launcher, or by `accelerate launch`
@@ -421,14 +423,14 @@ def train(args: GRPOArgs, wait_for_servers: Callable[[], list[str]]) -> None:
     server_urls = wait_for_servers()
     # once the servers serve: a run whose servers never started leaves no wandb run or metrics behind
     tracker = Tracker.for_run(
-        args, f"grpo_{args.mode}", accelerator, resume_after_step=version if args.resume else None
+        args, f"grpo_{args.schedule.mode}", accelerator, resume_after_step=version if args.resume else None
     )
     servers = ServerUpdates(args, server_urls, sends=main)
     # with no server left to update, no samples would ever come: checked while waiting for them
     stream = GroupReader(args, start=learner.stream_position, while_waiting=servers.check)
     timer = StepTimer()
-    schedule = args.schedule()
-    while version < args.steps:
+    schedule = args.run_schedule()
+    while version < args.optim.steps:
         timer.waiting_for_data()
         groups = stream.read_step(version)
         timer.training()
@@ -462,9 +464,9 @@ def optimizer_step(
         model, learner.reference, groups, rewards, args, learner.vocab_size, step=version, accelerator=accelerator
     )
     if accelerator is None:
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.optim.grad_clip)
     else:  # the norm over every process's shards of the gradients
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.grad_clip)
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.optim.grad_clip)
     learner.optimizer.step()
     learner.optimizer.zero_grad(set_to_none=True)
     return stats, grad_norm.item()
@@ -474,16 +476,17 @@ def trainer_accelerator(args: GRPOArgs):
     """The trainer's accelerator: FSDP2 over `--trainer-processes` processes, which the environment must describe
     (`sharding.make_accelerator`; the launcher sets it), or one process's under `--mixed-precision`; None for one
     process in float32 (no accelerate)."""
-    if args.trainer_processes == 1 and args.mixed_precision == "no":
+    processes = args.processes.trainer_processes
+    if processes == 1 and args.mixed_precision == "no":
         return None
     accelerator = sharding.make_accelerator(args.mixed_precision)
-    if args.trainer_processes == 1:
+    if processes == 1:
         return accelerator
     how = (
-        f"--trainer-processes {args.trainer_processes}: start the trainer through grpo.launch, or under `accelerate "
-        f"launch --config_file configs/accelerate/fsdp2.yaml --num_processes {args.trainer_processes}`"
+        f"--trainer-processes {processes}: start the trainer through grpo.launch, or under `accelerate "
+        f"launch --config_file configs/accelerate/fsdp2.yaml --num_processes {processes}`"
     )
-    if accelerator.num_processes != args.trainer_processes:
+    if accelerator.num_processes != processes:
         raise cli.UserError(f"{how}; this one runs in {accelerator.num_processes} process(es)")
     if sharding.engine_of(accelerator) != "fsdp2":
         raise cli.UserError(f"{how}; the trainer shards with FSDP2, and this one runs under another engine")
@@ -517,19 +520,21 @@ def load_learner(args: GRPOArgs, accelerator=None) -> Learner:
         device = accelerator.device
     else:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    tokenizer = load_tokenizer(args.model)
-    with_reference = args.kl_coef or args.kl_coef_final  # a KL schedule from 0 needs it too
-    reference = load_causal_lm(args.model).requires_grad_(False) if with_reference else None
+    tokenizer = load_tokenizer(args.task.model)
+    with_reference = args.loss.kl_coef or args.loss.kl_coef_final  # a KL schedule from 0 needs it too
+    reference = load_causal_lm(args.task.model).requires_grad_(False) if with_reference else None
     if reference is not None:
         reference = (
             reference.to(device) if accelerator is None else sharding.prepare_frozen(accelerator, reference, True)
         )
     state = checkpoints.checkpoint_state(args) if args.resume else {"version": 0, "stream_position": 0}
-    model = load_causal_lm(checkpoints.checkpoint_model(args.output_dir) if args.resume else args.model).to(device)
-    optimizer = make_optimizer(args.optimizer, model.parameters(), lr=args.lr, eps=args.adam_eps)
+    model = load_causal_lm(checkpoints.checkpoint_model(args.output_dir) if args.resume else args.task.model).to(device)
+    optimizer = make_optimizer(args.optim.optimizer, model.parameters(), lr=args.optim.lr, eps=args.optim.adam_eps)
     if accelerator is not None:
         # micro_batch_size is DeepSpeed's setting (not an engine of this trainer): a process's share of a step
-        model, optimizer = sharding.prepare(accelerator, model, optimizer, args.batch_size // accelerator.num_processes)
+        model, optimizer = sharding.prepare(
+            accelerator, model, optimizer, args.optim.batch_size // accelerator.num_processes
+        )
     if args.resume:
         saved = checkpoints.checkpoint_optimizer_state(args.output_dir)
         sharding.load_optimizer_state_dict(accelerator, model, optimizer, saved)
@@ -554,7 +559,7 @@ class GroupReader:
         which waits up to a second (what it raises ends the wait: the trainer checks that a server is left to
         update, without which no samples would ever come)."""
         self.args, self.while_waiting = args, while_waiting
-        self.schedule = args.schedule()
+        self.schedule = args.run_schedule()
         self.reader = open_reader(args.stream_url(), Group.from_json, start=start)
         self.buffered: list[Group] = []
 
@@ -588,9 +593,11 @@ class ServerUpdates:
 
     def __init__(self, args: GRPOArgs, server_urls: list[str], sends: bool = True):
         self.args = args
-        self.schedule = args.schedule()
+        self.schedule = args.run_schedule()
         self.sender = (
-            WeightSender(server_urls, backend=args.sender_backend(), host=args.trainer_host) if sends else None
+            WeightSender(server_urls, backend=args.processes.sender_backend(), host=args.processes.trainer_host)
+            if sends
+            else None
         )
         # weights go out in the servers' dtype (bf16 on GPUs): they check it before receiving
         self.dtype = served_dtype(server_urls[0]) if sends else None
@@ -604,7 +611,7 @@ class ServerUpdates:
         parameters = whole_parameters(model, accelerator)
         if self.sender is None:
             return time.perf_counter() - start
-        bucket_bytes = int(self.args.update_bucket_mb * 2**20)
+        bucket_bytes = int(self.args.processes.update_bucket_mb * 2**20)
         dropped = self.sender.push_tensors(parameters, version, dtype=self.dtype, bucket_bytes=bucket_bytes)
         push_s = time.perf_counter() - start
         if dropped:
@@ -686,7 +693,7 @@ def log_step(tracker: Tracker, args: GRPOArgs, version: int, groups: list[Group]
     """The step's metrics (metrics.jsonl, wandb, a log line), and every `sample_interval` steps a table of the
     first group's attempts."""
     tracker.log(version, metrics)
-    if args.schedule().due(args.sample_interval, version):
+    if args.run_schedule().due(args.sample_interval, version):
         tracker.log_samples(
             version,
             [
@@ -715,16 +722,16 @@ def main() -> None:
     # the launcher's flags, this role's purpose
     args = cli.parse(GRPOArgs, get_preset, "tiny", description=__doc__.split("\n\n")[0], presets=PRESETS)
     args.check()
-    args.check_weight_backend()
+    args.processes.check_weight_backend()
     if args.resume:
         raise cli.UserError(
             "--resume: resume a run through grpo.launch, which restarts the servers with the checkpoint's "
             "weights and version, drops the stream's records after the checkpoint and starts the actor at its step"
         )
-    if not args.servers:
+    if not args.serving.servers:
         raise cli.UserError("--servers: the trainer alone needs the URLs of running servers (or use grpo.launch)")
-    check_serving(args.servers, 0, args.model)
-    train_then_exit(args, wait_for_servers=lambda: args.servers)
+    check_serving(args.serving.servers, 0, args.task.model)
+    train_then_exit(args, wait_for_servers=lambda: args.serving.servers)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,6 @@ run's logs. Real files and real runs: the stage scripts' own entry points in thi
 two `accelerate launch` ranks as processes of their own.
 """
 
-import dataclasses
 import os
 import shutil
 import signal
@@ -24,6 +23,7 @@ from lm_human_preference_details.grpo.config import get_preset
 from lm_human_preference_details.grpo.trainer import load_learner
 from lm_human_preference_details.tracking import read_metrics
 from tests.conftest import accelerate_two_processes
+from tests.grpo.args import grpo_args
 from tests.grpo.test_launch import LAUNCH
 from tests.stages.test_train_policy import QUIET, run
 
@@ -172,7 +172,7 @@ def grpo_run(tmp_path_factory) -> str:
     """A GRPO run's folder with a checkpoint at step 3, as the trainer saves one (tiny preset, on the `tiny` model,
     which is made in a moment where `tiny-math` is trained first)."""
     output_dir = str(tmp_path_factory.mktemp("grpo") / "run")
-    args = dataclasses.replace(get_preset("tiny"), model="tiny", output_dir=output_dir)
+    args = grpo_args(get_preset("tiny"), model="tiny", output_dir=output_dir)
     learner = load_learner(args)
     save_checkpoint(args, learner.model, learner.tokenizer, learner.optimizer, version=3, stream_position=24)
     return args.output_dir
@@ -207,7 +207,7 @@ def test_a_damaged_grpo_checkpoint_stops_the_launcher_before_it_starts_anything(
 def test_a_damaged_grpo_optimizer_state_is_a_user_error(tmp_path, grpo_run):
     shutil.copytree(grpo_run, tmp_path / "run")
     cut_in_half(tmp_path / "run" / "checkpoint" / "optimizer.pt")
-    args = dataclasses.replace(get_preset("tiny"), model="tiny", output_dir=str(tmp_path / "run"), resume=True)
+    args = grpo_args(get_preset("tiny"), model="tiny", output_dir=str(tmp_path / "run"), resume=True)
     with pytest.raises(UserError, match=r"/checkpoint/optimizer.pt cannot be read, cut short or corrupted\?"):
         load_learner(args)
 

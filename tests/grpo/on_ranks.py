@@ -35,11 +35,11 @@ def main() -> None:
     learner = trainer.load_learner(args, accelerator)
     main_process = accelerator is None or accelerator.is_main_process
     os.makedirs(args.output_dir, exist_ok=True)
-    for version in range(learner.version, args.steps):
+    for version in range(learner.version, args.optim.steps):
         step = steps[version]
         groups = [Group.from_json(line) for line in step["groups"]]
         rewards = torch.tensor([s.reward for s in trainer.flatten_groups(groups)], dtype=torch.float64)
-        step_args = dataclasses.replace(args, token_budget=step["token_budget"])
+        step_args = dataclasses.replace(args, optim=dataclasses.replace(args.optim, token_budget=step["token_budget"]))
         stats, grad_norm = trainer.optimizer_step(learner, groups, rewards, step_args, version, accelerator)
         weights = dict(trainer.whole_parameters(learner.model, accelerator))  # every process joins the gather
         if main_process:
@@ -47,7 +47,7 @@ def main() -> None:
             with open(os.path.join(args.output_dir, f"stats-{version + 1}.json"), "w") as f:
                 json.dump({**stats, "grad_norm": grad_norm}, f)
     checkpoints.save_checkpoint(
-        args, learner.model, learner.tokenizer, learner.optimizer, args.steps, 0, accelerator=accelerator
+        args, learner.model, learner.tokenizer, learner.optimizer, args.optim.steps, 0, accelerator=accelerator
     )
     rank = accelerator.process_index if accelerator else 0
     local = [p.to_local() if hasattr(p, "to_local") else p for p in learner.model.parameters()]

@@ -20,6 +20,7 @@ from lm_human_preference_details.grpo.client import request_json
 from lm_human_preference_details.grpo.serving import vllm_env
 from lm_human_preference_details.tracking import read_metrics
 from tests.conftest import redis_client, save_tiny_math_with_chat_template, with_stream
+from tests.grpo.args import grpo_args
 
 LAUNCH = [
     sys.executable,
@@ -488,21 +489,19 @@ def test_servers_started_elsewhere_must_serve_the_weights_the_run_starts_from(tm
 
 
 def test_threads_default_to_the_cores_shared_by_the_processes_that_compute_at_once():
-    from lm_human_preference_details.grpo.config import GRPOArgs
-
     cores = len(os.sched_getaffinity(0))
-    sync, pipeline = GRPOArgs(mode="sync", num_servers=2), GRPOArgs(mode="pipeline", num_servers=3)
+    sync, pipeline = grpo_args(mode="sync", num_servers=2), grpo_args(mode="pipeline", num_servers=3)
     assert sync.torch_threads("trainer") == cores and sync.torch_threads("server") == max(
         1, cores // 2
     )  # they take turns
     assert pipeline.torch_threads("trainer") == pipeline.torch_threads("server") == max(1, cores // 4)  # side by side
-    assert GRPOArgs(mode="pipeline", servers=["http://a:1", "http://b:1", "http://c:1"]).torch_threads(
+    assert grpo_args(mode="pipeline", servers=["http://a:1", "http://b:1", "http://c:1"]).torch_threads(
         "trainer"
     ) == max(1, cores // 4)
-    assert GRPOArgs(mode="sync", threads=3).torch_threads("server") == 3
+    assert grpo_args(mode="sync", threads=3).torch_threads("server") == 3
     # the trainer's processes compute side by side with the servers, and with each other
-    assert GRPOArgs(mode="pipeline", trainer_processes=3).torch_threads("trainer") == max(1, cores // 4)
-    assert GRPOArgs(mode="sync", trainer_processes=2).torch_threads("trainer") == max(1, cores // 2)
+    assert grpo_args(mode="pipeline", trainer_processes=3).torch_threads("trainer") == max(1, cores // 4)
+    assert grpo_args(mode="sync", trainer_processes=2).torch_threads("trainer") == max(1, cores // 2)
 
 
 def test_the_launcher_and_the_client_import_no_model_code():
@@ -525,10 +524,10 @@ def test_the_launcher_and_the_client_import_no_model_code():
 def test_the_grpo_optimizer_choices_are_the_optimizers_there_are():
     from typing import get_args, get_type_hints
 
-    from lm_human_preference_details.grpo.config import GRPOArgs
+    from lm_human_preference_details.grpo.config import OptimArgs
     from lm_human_preference_details.optim import OptimizerName
 
-    assert get_args(get_type_hints(GRPOArgs)["optimizer"]) == get_args(
+    assert get_args(get_type_hints(OptimArgs)["optimizer"]) == get_args(
         OptimizerName
     )  # spelled out in config: no torch there
 
@@ -665,19 +664,20 @@ def test_engine_vllm_refuses_a_model_whose_heads_vllm_cpu_cannot_run_before_star
 
 def test_engine_auto_is_vllm_only_with_a_gpu_build_of_its_environment_and_a_gpu(tmp_path, monkeypatch):
     from lm_human_preference_details.grpo import config
-    from lm_human_preference_details.grpo.config import GRPOArgs
+    from lm_human_preference_details.grpo.config import ServingArgs
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # a CPU, whatever this machine has
     assert not config.gpu_visible()
     monkeypatch.setenv(vllm_env.ENV_VAR, fake_vllm_environment(tmp_path / "venv"))
-    assert GRPOArgs().engine == "auto" and GRPOArgs().server_engine() == "home"  # on a CPU: home, environment or not
-    assert GRPOArgs(engine="vllm").server_engine() == "vllm"
+    assert ServingArgs().engine == "auto"
+    assert ServingArgs().server_engine() == "home"  # on a CPU: home, environment or not
+    assert ServingArgs(engine="vllm").server_engine() == "vllm"
     monkeypatch.setattr(config, "gpu_visible", lambda: True)
-    assert GRPOArgs().server_engine() == "home"  # a GPU, but vllm-cpu in the environment
+    assert ServingArgs().server_engine() == "home"  # a GPU, but vllm-cpu in the environment
     monkeypatch.setenv(vllm_env.ENV_VAR, fake_vllm_environment(tmp_path / "venv-gpu", ready=vllm_env.VLLM_GPU))
-    assert GRPOArgs().server_engine() == "vllm" and GRPOArgs(engine="home").server_engine() == "home"
+    assert ServingArgs().server_engine() == "vllm" and ServingArgs(engine="home").server_engine() == "home"
     monkeypatch.setenv(vllm_env.ENV_VAR, str(tmp_path / "empty"))
-    assert GRPOArgs().server_engine() == "home"  # a GPU without the environment
+    assert ServingArgs().server_engine() == "home"  # a GPU without the environment
 
 
 def test_a_new_run_into_an_earlier_runs_folder_is_refused_before_anything_starts(tmp_path):

@@ -16,11 +16,11 @@ from lm_human_preference_details.grpo.rewards import Problem, load_task_problems
 
 def test_held_out_problems_are_those_the_training_stream_never_shows():
     args = get_preset("tiny")
-    args.num_problems = 20
+    args.task.num_problems = 20
     training = {p.prompt for p in load_task_problems(args)}
     held_out = quickstart.held_out_problems(args)
     assert len(held_out) == 5 and not training & {p.prompt for p in held_out}
-    args.num_problems = 0  # all 25 sums in the stream: nothing left
+    args.task.num_problems = 0  # all 25 sums in the stream: nothing left
     with pytest.raises(UserError, match="none is left to hold out"):
         quickstart.held_out_problems(args)
 
@@ -41,37 +41,37 @@ def test_integer_answers_score_a_boxed_expression_zero():
     args = get_preset("arith-chat")
     assert quickstart.success(args, problem, ["6-1 is \\boxed{6-1}"]) == [0.0]
     assert quickstart.success(args, problem, ["6 - 1 = \\boxed{5}"]) == [1.0]
-    args.integer_answers = False
+    args.task.integer_answers = False
     assert quickstart.success(args, problem, ["6-1 is \\boxed{6-1}"]) == [1.0]
 
 
 def test_the_quickstart_says_which_engine_serves_and_why(monkeypatch):
     args = get_preset("arith-chat")
-    monkeypatch.setattr(type(args), "server_engine", lambda self: "home")  # what `auto` gives without a GPU
+    monkeypatch.setattr(type(args.serving), "server_engine", lambda self: "home")  # what `auto` gives without a GPU
     assert "vLLM is taken where a GPU is visible" in quickstart.engine_choice(args)
-    args.engine = "home"
+    args.serving.engine = "home"
     assert quickstart.engine_choice(args) == "the home engine (grpo/serving/server.py), as --engine says"
-    monkeypatch.setattr(type(args), "server_engine", lambda self: "vllm")
+    monkeypatch.setattr(type(args.serving), "server_engine", lambda self: "vllm")
     assert quickstart.engine_choice(args).startswith("vLLM")
-    args.servers = ["http://10.0.0.1:8000"]
+    args.serving.servers = ["http://10.0.0.1:8000"]
     assert quickstart.engine_choice(args) == "the servers at http://10.0.0.1:8000, as --servers says"
 
 
 def test_the_worked_example_comes_before_the_problem_in_the_chat():
     args = get_preset("arith-chat")
-    question, answer = args.chat_example
-    assert args.chat_messages("What is 3+4?") == [
+    question, answer = args.task.chat_example
+    assert args.task.chat_messages("What is 3+4?") == [
         {"role": "user", "content": question},
         {"role": "assistant", "content": answer},
         {"role": "user", "content": "What is 3+4?"},
     ]
     assert not any(question == p.prompt for p in problem_family(args))  # the example is none of the task's problems
-    args.chat_example = []
-    assert args.chat_messages("What is 3+4?") == [{"role": "user", "content": "What is 3+4?"}]
-    args.chat_example = ["only a question"]
+    args.task.chat_example = []
+    assert args.task.chat_messages("What is 3+4?") == [{"role": "user", "content": "What is 3+4?"}]
+    args.task.chat_example = ["only a question"]
     with pytest.raises(UserError, match="--chat-example: give two texts"):
         args.check()
-    args.chat_example, args.chat = ["Q", "A"], False
+    args.task.chat_example, args.task.chat = ["Q", "A"], False
     with pytest.raises(UserError, match="without --chat"):
         args.check()
 

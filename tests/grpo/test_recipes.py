@@ -11,10 +11,13 @@ import pytest
 import torch
 
 from lm_human_preference_details import cli
-from lm_human_preference_details.grpo.config import LOSS_FIELDS, RECIPES, GRPOArgs, get_preset
+from lm_human_preference_details.grpo.config import RECIPES, GRPOArgs, LossArgs, get_preset
 from lm_human_preference_details.grpo.trainer import accumulate_gradients, flatten_groups, pack
+from tests.grpo.args import grpo_args
 from tests.grpo.test_launch import LAUNCH, Launched, metrics, no_launcher_left_behind, success_rise  # noqa: F401
 from tests.grpo.test_trainer import sampled_groups, tiny_math  # noqa: F401
+
+LOSS_FIELDS = [field.name for field in dataclasses.fields(LossArgs)]
 
 
 def parse(*flags: str) -> GRPOArgs:
@@ -23,16 +26,16 @@ def parse(*flags: str) -> GRPOArgs:
 
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_a_recipe_sets_every_loss_option_to_its_values_and_the_rest_to_the_defaults(name):
-    args, defaults = parse("--recipe", name), GRPOArgs()
+    args, defaults = parse("--recipe", name), LossArgs()
     assert set(RECIPES[name].settings) <= set(LOSS_FIELDS)
     for field in LOSS_FIELDS:
-        assert getattr(args, field) == RECIPES[name].settings.get(field, getattr(defaults, field)), field
-    assert args.recipe == name and args.lr == get_preset("tiny").lr  # the task's other values stay
+        assert getattr(args.loss, field) == RECIPES[name].settings.get(field, getattr(defaults, field)), field
+    assert args.recipe == name and args.optim.lr == get_preset("tiny").optim.lr  # the task's other values stay
     args.check()
 
 
 def test_pipelinerl_is_its_base_yaml():
-    args = parse("--recipe", "pipelinerl")
+    args = parse("--recipe", "pipelinerl").loss
     # conf/finetune/base.yaml at 58d3934: policy_loss reinforce, epsilon_high 2e-2, clamp_log_ratio_ref_new_value 5,
     # kl_coef 0 (final_kl_coef: the same), entropy_bonus 0, divide_advantage_by_std false, overlong_filtering false;
     # populate_rl_data: the leave-one-out baseline; tokens_weights 1 / batch_size
@@ -42,12 +45,12 @@ def test_pipelinerl_is_its_base_yaml():
 
 
 def test_flags_after_a_recipe_override_it_and_a_recipe_overrides_the_flags_before_it():
-    assert parse("--recipe", "pipelinerl", "--ratio-cap", "2").ratio_cap == 2.0
-    assert parse("--ratio-cap", "2", "--recipe", "pipelinerl").ratio_cap == 1.02
-    assert parse("--recipe=dapo", "--no-overlong-filtering").overlong_filtering is False
+    assert parse("--recipe", "pipelinerl", "--ratio-cap", "2").loss.ratio_cap == 2.0
+    assert parse("--ratio-cap", "2", "--recipe", "pipelinerl").loss.ratio_cap == 1.02
+    assert parse("--recipe=dapo", "--no-overlong-filtering").loss.overlong_filtering is False
     # a later recipe resets what an earlier one set
-    assert parse("--recipe", "dapo", "--recipe", "pipelinerl").clip_eps_high is None
-    assert parse("--task", "tiny", "--recipe", "dr_grpo").loss_normalizer == "max_tokens"
+    assert parse("--recipe", "dapo", "--recipe", "pipelinerl").loss.clip_eps_high is None
+    assert parse("--task", "tiny", "--recipe", "dr_grpo").loss.loss_normalizer == "max_tokens"
     assert parse().recipe == "default" and parse() == parse("--recipe", "default")
 
 
@@ -144,7 +147,7 @@ def test_a_steps_gradient_does_not_depend_on_the_packing_under_every_option(tiny
     for key, value in whole_stats.items():
         assert split_stats[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
     assert 0.5 < whole_stats["ratio/mean"] < 2 and 0 <= whole_stats["ratio/clipfrac"] <= 1
-    assert whole_stats.get("weight/max", 0) <= args.ratio_cap
+    assert whole_stats.get("weight/max", 0) <= args.loss.ratio_cap
 
 
 def test_overlong_filtering_gives_a_cut_completion_no_gradient(tiny_math):  # noqa: F811
@@ -155,7 +158,7 @@ def test_overlong_filtering_gives_a_cut_completion_no_gradient(tiny_math):  # no
     for group in changed:
         group.attempts[1].logprobs = [lp - 0.7 for lp in group.attempts[1].logprobs]
     for filtering in (False, True):
-        args = dataclasses.replace(get_preset("tiny"), group_size=4, temperature=0.8, overlong_filtering=filtering)
+        args = grpo_args(get_preset("tiny"), group_size=4, temperature=0.8, overlong_filtering=filtering)
         before, after = (
             gradients_and_stats(tiny_math, groups, args)[0],
             gradients_and_stats(tiny_math, changed, args)[0],
@@ -176,9 +179,10 @@ def test_the_tiny_preset_learns_under_every_recipe(tmp_path, recipe):
     assert last > first + 0.1, (recipe, first, last)
     with open(os.path.join(run.output_dir, "args.json")) as f:
         recorded = json.load(f)
-    assert recorded["recipe"] == recipe and all(recorded[k] == v for k, v in RECIPES[recipe].settings.items())
-    if recorded["loss_type"] == "reinforce":  # the capped weight beside the raw ratio
-        assert all(r["weight/max"] <= recorded["ratio_cap"] + 1e-6 for r in rows)
+    loss = recorded["loss"]
+    assert recorded["recipe"] == recipe and all(loss[k] == v for k, v in RECIPES[recipe].settings.items())
+    if loss["loss_type"] == "reinforce":  # the capped weight beside the raw ratio
+        assert all(r["weight/max"] <= loss["ratio_cap"] + 1e-6 for r in rows)
     assert run.leftovers() == []
 
 
@@ -189,7 +193,7 @@ def test_every_loss_option_the_flags_offer_is_one_the_loss_implements():
 
     from lm_human_preference_details.grpo import loss
 
-    choices = {name: get_args(hint) for name, hint in get_type_hints(GRPOArgs).items()}
+    choices = {name: get_args(hint) for name, hint in get_type_hints(LossArgs).items()}
     assert set(choices["loss_type"]) == set(loss.POLICY_OBJECTIVES)
     x, mask = torch.zeros(1, 2), torch.ones(1, 2)
     for mode in choices["importance_sampling"]:

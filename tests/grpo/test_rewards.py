@@ -300,9 +300,8 @@ def test_hub_failures_are_user_errors(monkeypatch):
 
 
 def test_a_runs_problems_follow_its_settings_in_an_order_of_its_seed(tmp_path):
-    import dataclasses
-
     from lm_human_preference_details.grpo.config import get_preset
+    from tests.grpo.args import grpo_args
 
     tiny = get_preset("tiny")
     assert sorted(p.id for p in tiny_sums()) == sorted(f"sum-{a}-{b}" for a in range(5) for b in range(5))
@@ -310,15 +309,15 @@ def test_a_runs_problems_follow_its_settings_in_an_order_of_its_seed(tmp_path):
     problems = load_task_problems(tiny)
     assert sorted(problems, key=lambda p: p.id) == sorted(tiny_sums(), key=lambda p: p.id)
     assert problems == load_task_problems(tiny) != tiny_sums()  # shuffled, the same way for a seed
-    assert load_task_problems(dataclasses.replace(tiny, seed=tiny.seed + 1)) != problems
-    assert len(load_task_problems(dataclasses.replace(tiny, num_problems=5))) == 5
+    assert load_task_problems(grpo_args(tiny, seed=tiny.seed + 1)) != problems
+    assert len(load_task_problems(grpo_args(tiny, num_problems=5))) == 5
     arith = load_task_problems(get_preset("arith"))
     assert len(arith) == 512 and arith[0].prompt.endswith("=\\boxed{") and arith[0].id.startswith("arith-")
     path = write_jsonl(tmp_path / "three.jsonl", [{"prompt": str(i), "answer": str(i)} for i in range(3)])
-    assert len(load_task_problems(dataclasses.replace(tiny, problems=path, num_problems=2))) == 2
+    assert len(load_task_problems(grpo_args(tiny, problems=path, num_problems=2))) == 2
     empty = write_jsonl(tmp_path / "empty.jsonl", [])
     with pytest.raises(UserError, match=f"--problems {empty}: no problems"):
-        load_task_problems(dataclasses.replace(tiny, problems=empty))
+        load_task_problems(grpo_args(tiny, problems=empty))
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ PIPELINE = dataclasses.replace(SYNC, mode="pipeline")
 def test_a_periodic_thing_is_due_at_multiples_of_its_interval_and_after_the_last_step():
     assert [v for v in range(1, 5) if SYNC.due(2, v)] == [2, 4]
     assert [v for v in range(1, 5) if SYNC.due(3, v)] == [3, 4]  # the last step too
-    assert get_preset("tiny").schedule().due(0, 10) is False  # an interval of 0: never (--save-interval 0)
+    assert get_preset("tiny").run_schedule().due(0, 10) is False  # an interval of 0: never (--save-interval 0)
 
 
 def test_weights_go_out_after_every_step_or_every_round_and_after_the_last():

@@ -178,9 +178,9 @@ def test_the_trainer_processes_get_the_environment_of_the_fsdp2_config():
 
 def test_a_trainer_of_several_processes_started_as_one_says_how_to_start_it():
     check = (
-        "from lm_human_preference_details.grpo.config import GRPOArgs\n"
+        "from lm_human_preference_details.grpo.config import GRPOArgs, ProcessArgs\n"
         "from lm_human_preference_details.grpo.trainer import trainer_accelerator\n"
-        "trainer_accelerator(GRPOArgs(trainer_processes=2))\n"
+        "trainer_accelerator(GRPOArgs(processes=ProcessArgs(trainer_processes=2)))\n"
     )
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
     assert result.returncode != 0

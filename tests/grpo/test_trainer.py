@@ -33,6 +33,7 @@ from lm_human_preference_details.grpo.trainer import (
     step_metrics,
     token_logprobs,
 )
+from tests.grpo.args import grpo_args
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +145,7 @@ def test_a_steps_gradient_and_stats_do_not_depend_on_how_its_groups_are_packed(t
     model, tokenizer = copy.deepcopy(tiny_math[0]).double(), tiny_math[1]
     runs = []
     for budget in (10**6, 8):  # everything at once; one attempt per micro-batch
-        args = dataclasses.replace(get_preset("tiny"), group_size=4, token_budget=budget, temperature=0.8, kl_coef=0.0)
+        args = grpo_args(get_preset("tiny"), group_size=4, token_budget=budget, temperature=0.8, kl_coef=0.0)
         model.zero_grad()
         stats = accumulate_gradients(model, None, groups, rewards.double(), args, len(tokenizer))
         runs.append(({name: p.grad.clone() for name, p in model.named_parameters()}, stats))
@@ -232,9 +233,7 @@ def test_the_trainer_reads_a_step_of_groups_at_a_time_and_in_sync_mode_the_whole
     """Two groups a step. `sync` with rounds of 3 steps, run for 4: before step 1 the trainer waits for the whole
     round (6 groups), steps 2 and 3 take theirs from what it read, step 4 (the last round, cut short) reads its
     own; the position (what a checkpoint records) counts only the groups trained on."""
-    args = dataclasses.replace(
-        get_preset("tiny"), mode="sync", sync_steps=3, steps=4, batch_size=16, output_dir=str(tmp_path)
-    )
+    args = grpo_args(get_preset("tiny"), mode="sync", sync_steps=3, steps=4, batch_size=16, output_dir=str(tmp_path))
     writer = open_writer(args.stream_url())
     for problem in range(5):
         writer.write(stream_group(problem))
@@ -277,7 +276,7 @@ def test_the_weights_go_to_the_servers_after_every_step_or_every_round_and_after
     monkeypatch.setattr(trainer, "WeightSender", Sender)
     monkeypatch.setattr(trainer, "served_dtype", lambda url: torch.bfloat16)
     for mode, expected in (("pipeline", [1, 2, 3, 4, 5, 6]), ("sync", [4, 6])):
-        args = dataclasses.replace(get_preset("tiny"), mode=mode, sync_steps=4, steps=6, update_bucket_mb=0.5)
+        args = grpo_args(get_preset("tiny"), mode=mode, sync_steps=4, steps=6, update_bucket_mb=0.5)
         servers = ServerUpdates(args, ["http://127.0.0.1:1"])
         pushed.clear()
         times = [servers.push_if_due(torch.nn.Linear(1, 1), version) for version in range(1, 7)]
@@ -343,7 +342,7 @@ def test_a_steps_metrics_say_its_lag_throughput_and_where_its_time_went(monkeypa
             self.tables.append((step, rows))
 
     tracker = Tracker()
-    args = dataclasses.replace(get_preset("tiny"), steps=5, sample_interval=2, group_size=1)
+    args = grpo_args(get_preset("tiny"), steps=5, sample_interval=2, group_size=1)
     for version in range(1, 6):
         log_step(tracker, args, version, [Group(problem_id="p", prompt_ids=[1], attempts=samples[:1])], metrics)
     assert tracker.logged == [1, 2, 3, 4, 5]
@@ -351,10 +350,22 @@ def test_a_steps_metrics_say_its_lag_throughput_and_where_its_time_went(monkeypa
     assert tracker.tables[0][1] == [{"problem_id": "p", "reward": 1.0, "completion": ""}]  # the first group's
 
 
+FLAT_SETTINGS = """
+output_dir mode sync_steps steps_ahead model problems arith_digits arith_template num_problems answer_prefix
+chat chat_example integer_answers group_size max_tokens temperature ignore_eos steps batch_size lr optimizer
+adam_eps grad_clip recipe loss_type ratio_cap importance_sampling clip_eps clip_eps_high baseline divide_by_std
+std_over use_advantages relu_policy_weights loss_normalizer overlong_filtering kl_coef kl_coef_final kl_clamp
+entropy_coef entropy_coef_final token_budget sample_interval save_interval resume num_servers trainer_processes
+servers engine server_batch_size max_in_flight problems_per_request update_bucket_mb server_dtype weight_backend
+stream trainer_host threads request_timeout_s
+"""
+"""the names a checkpoint's settings had when GRPOArgs was one flat class"""
+
+
 def test_a_checkpoint_resumes_the_weights_the_optimizer_and_the_stream_position_under_the_same_settings(tmp_path):
-    args = dataclasses.replace(get_preset("tiny"), output_dir=str(tmp_path), wandb_mode="disabled")
+    args = grpo_args(get_preset("tiny"), output_dir=str(tmp_path), wandb_mode="disabled")
     with pytest.raises(UserError, match=r"--resume: no checkpoint in .* \(none saved yet\? see --save-interval\)"):
-        load_learner(dataclasses.replace(args, resume=True))
+        load_learner(grpo_args(args, resume=True))
     learner = load_learner(args)
     assert (learner.version, learner.stream_position, learner.reference) == (0, 0, None)
     model, optimizer = learner.model, learner.optimizer
@@ -365,10 +376,12 @@ def test_a_checkpoint_resumes_the_weights_the_optimizer_and_the_stream_position_
     assert sorted(os.listdir(tmp_path / "checkpoint")) == ["model", "optimizer.pt", "state.json"]
     assert checkpoint_model(str(tmp_path)) == str(tmp_path / "checkpoint" / "model")  # what the servers load
     with open(tmp_path / "checkpoint" / "state.json") as f:
-        assert json.load(f)["settings"]["lr"] == args.lr
+        settings = json.load(f)["settings"]
+    assert settings["lr"] == args.optim.lr
+    assert set(FLAT_SETTINGS.split()) <= set(settings)  # as before the sub-configs: their checkpoints resume, checked
 
     os.rename(tmp_path / "checkpoint", tmp_path / "checkpoint.old")  # a save killed between its two renames
-    resumed = load_learner(dataclasses.replace(args, resume=True, steps=args.steps + 10))  # steps may change
+    resumed = load_learner(grpo_args(args, resume=True, steps=args.optim.steps + 10))  # steps may change
     assert (resumed.version, resumed.stream_position) == (3, 24)
     for (name, saved), resumed_parameter in zip(model.named_parameters(), resumed.model.parameters()):
         assert torch.equal(saved, resumed_parameter), name
@@ -378,7 +391,7 @@ def test_a_checkpoint_resumes_the_weights_the_optimizer_and_the_stream_position_
         for name, value in state.items():
             assert torch.equal(torch.as_tensor(value), torch.as_tensor(resumed_state["state"][key][name])), name
     with pytest.raises(UserError, match=r"was saved with other settings \(lr: 0.0005 then, 0.001 now\)"):
-        load_learner(dataclasses.replace(args, resume=True, lr=1e-3))
+        load_learner(grpo_args(args, resume=True, lr=1e-3))
 
 
 def test_the_launcher_reads_a_checkpoint_without_importing_the_trainer():

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from lm_human_preference_details.assets import tiny_math_prompt
-from lm_human_preference_details.grpo.config import GRPOArgs, get_preset
+from lm_human_preference_details.grpo.config import ProcessArgs, get_preset
 from lm_human_preference_details.grpo.serving.engine import Engine, GenerationRequest, sample_tokens
 from lm_human_preference_details.grpo.serving.server import load_for_inference
+from tests.grpo.args import grpo_args
 
 
 @pytest.fixture(scope="module")
@@ -242,51 +243,53 @@ def test_grpo_args_check_names_the_field():
     from lm_human_preference_details.cli import UserError
 
     with pytest.raises(UserError, match="--batch-size 60 must be a multiple of --group-size 8"):
-        GRPOArgs(batch_size=60, group_size=8).check()
+        grpo_args(batch_size=60, group_size=8).check()
     with pytest.raises(UserError, match="--steps-ahead must be >= 1"):
-        GRPOArgs(steps_ahead=0).check()
+        grpo_args(steps_ahead=0).check()
     with pytest.raises(
         UserError,
         match="--steps-ahead 2.5 starts 20 problems ahead, which requests of 8 problems cannot split "
         r"\(it would act as 2\): pass a --problems-per-request that divides both 8 and 20",
     ):
-        GRPOArgs(batch_size=64, group_size=8, steps_ahead=2.5, problems_per_request=0).check()
+        grpo_args(batch_size=64, group_size=8, steps_ahead=2.5, problems_per_request=0).check()
     with pytest.raises(
         UserError, match="--steps-ahead 2.3 is 18.4 problems ahead, not a whole number: pass a multiple of 1/8"
     ):
-        GRPOArgs(batch_size=64, group_size=8, steps_ahead=2.3).check()
-    GRPOArgs(batch_size=64, group_size=8, steps_ahead=2.5, problems_per_request=4).check()
-    GRPOArgs(mode="sync", batch_size=64, group_size=8, steps_ahead=2.5, problems_per_request=0).check()  # sync: unused
+        grpo_args(batch_size=64, group_size=8, steps_ahead=2.3).check()
+    grpo_args(batch_size=64, group_size=8, steps_ahead=2.5, problems_per_request=4).check()
+    grpo_args(mode="sync", batch_size=64, group_size=8, steps_ahead=2.5, problems_per_request=0).check()  # sync: unused
     assert (
-        GRPOArgs(batch_size=24, group_size=8, steps_ahead=7 / 3, problems_per_request=1).schedule().problems_ahead()
+        grpo_args(batch_size=24, group_size=8, steps_ahead=7 / 3, problems_per_request=1)
+        .run_schedule()
+        .problems_ahead()
         == 7
     )  # 7.000000000000001
     with pytest.raises(UserError, match="--steps-ahead nan is nan problems ahead"):
-        GRPOArgs(steps_ahead=float("nan")).check()
+        grpo_args(steps_ahead=float("nan")).check()
     with pytest.raises(UserError, match="--problems-per-request 3 must divide the 8 problems of an optimizer step"):
-        GRPOArgs(batch_size=64, group_size=8, problems_per_request=3).check()
+        grpo_args(batch_size=64, group_size=8, problems_per_request=3).check()
     with pytest.raises(UserError, match="--problems-per-request must be >= 0, got -1"):
-        GRPOArgs(problems_per_request=-1).check()
+        grpo_args(problems_per_request=-1).check()
     for temperature in (0.0, 1e-50, float("nan"), float("inf")):  # 1e-50 is 0 in float32
         with pytest.raises(UserError, match=r"--temperature must be a finite number >= 0.0001"):
-            GRPOArgs(temperature=temperature).check()
-    one_request_per_step = GRPOArgs(batch_size=16, group_size=8, problems_per_request=0)
+            grpo_args(temperature=temperature).check()
+    one_request_per_step = grpo_args(batch_size=16, group_size=8, problems_per_request=0)
     one_request_per_step.check()  # 0 fits every batch size: all of a step's problems
-    assert one_request_per_step.request_problems() == 2 and GRPOArgs(problems_per_request=4).request_problems() == 4
-    assert get_preset("tiny").problems_per_request == 0  # the preset: one request per optimizer step
+    assert one_request_per_step.request_problems() == 2 and grpo_args(problems_per_request=4).request_problems() == 4
+    assert get_preset("tiny").serving.problems_per_request == 0  # the preset: one request per optimizer step
     with pytest.raises(
         UserError,
         match="--problems-per-request 0: 1024 samples in one request .* divides the 128 problems "
         "of a step into requests of at most 64",
     ):  # a server takes at most 512 (MAX_CHOICES)
-        GRPOArgs(batch_size=1024, group_size=8, problems_per_request=0).check()
-    GRPOArgs(batch_size=1024, group_size=8, problems_per_request=64).check()
-    GRPOArgs(batch_size=1024, group_size=8, problems_per_request=0, chat=True).check()  # chat: one request per problem
+        grpo_args(batch_size=1024, group_size=8, problems_per_request=0).check()
+    grpo_args(batch_size=1024, group_size=8, problems_per_request=64).check()
+    grpo_args(batch_size=1024, group_size=8, problems_per_request=0, chat=True).check()  # chat: one request per problem
     if not torch.cuda.is_available():
         with pytest.raises(
             UserError, match="--weight-backend nccl sends GPU tensors and no GPU is visible; use --weight-backend gloo"
         ):
-            GRPOArgs(weight_backend="nccl").check_weight_backend()
+            ProcessArgs(weight_backend="nccl").check_weight_backend()
 
 
 @pytest.mark.parametrize(
@@ -303,7 +306,9 @@ def test_grpo_args_check_names_the_field():
 def test_the_actor_starts_groups_up_to_its_lookahead_beyond_the_servers_weights(mode, lookahead, version, last_allowed):
     from lm_human_preference_details.grpo.actor import Actor
 
-    args = GRPOArgs(mode=mode, batch_size=64, group_size=8, steps_ahead=lookahead, sync_steps=4, problems_per_request=4)
+    args = grpo_args(
+        mode=mode, batch_size=64, group_size=8, steps_ahead=lookahead, sync_steps=4, problems_per_request=4
+    )
     actor = Actor(args, ["http://127.0.0.1:1", "http://127.0.0.1:2"], problems=[])
     actor.servers[1].version = version  # the newest weights any server has
     assert actor.may_start(last_allowed) and not actor.may_start(last_allowed + 1)
@@ -318,7 +323,7 @@ def test_a_server_behind_the_newest_weights_gets_requests_only_within_the_lookah
     (or one that failed to) gets none of the round's requests; `pipeline`: up to `steps_ahead` behind."""
     from lm_human_preference_details.grpo.actor import Actor
 
-    args = GRPOArgs(mode=mode, batch_size=64, group_size=8, steps_ahead=2, sync_steps=4)
+    args = grpo_args(mode=mode, batch_size=64, group_size=8, steps_ahead=2, sync_steps=4)
     actor = Actor(args, ["http://127.0.0.1:1", "http://127.0.0.1:2"], problems=[])
     actor.servers[0].version, actor.servers[1].version = 8, 8 - behind
     assert actor.usable(actor.servers[0]) and actor.usable(actor.servers[1]) == usable
@@ -332,7 +337,7 @@ def test_the_actor_fails_when_no_server_has_been_usable_for_the_request_timeout(
     from lm_human_preference_details.grpo.actor import Actor, ActorError
 
     actor = Actor(
-        GRPOArgs(mode="sync", request_timeout_s=0.5), ["http://127.0.0.1:1", "http://127.0.0.1:2"], problems=[]
+        grpo_args(mode="sync", request_timeout_s=0.5), ["http://127.0.0.1:1", "http://127.0.0.1:2"], problems=[]
     )
     actor.servers[0].down_until = time.monotonic() + 3600  # down
     actor.servers[0].version, actor.servers[1].version = 8, 4  # 1 is a round behind 0's weights

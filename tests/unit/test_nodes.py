@@ -6,7 +6,7 @@ import pytest
 
 from lm_human_preference_details.cli import UserError
 from lm_human_preference_details.grpo import nodes, world
-from lm_human_preference_details.grpo.config import GRPOArgs
+from tests.grpo.args import grpo_args
 
 
 def plan_of(nnodes, per_node, device, inference, rank=0, master="127.0.0.1", backend="gloo") -> nodes.NodePlan:
@@ -14,15 +14,8 @@ def plan_of(nnodes, per_node, device, inference, rank=0, master="127.0.0.1", bac
     return nodes.NodePlan(world.Node(nnodes, rank, master, 29500, "flags"), the_map, backend, "127.0.0.1")
 
 
-def args_with(**placement) -> GRPOArgs:
-    args = GRPOArgs(output_dir="unused")
-    for name, value in placement.items():
-        setattr(args.placement, name, value)
-    return args
-
-
 def test_the_two_node_localhost_layout_from_flags():
-    args = args_with(nnodes=2, node_rank=1, master_addr="127.0.0.1", device="cpu", gpus_per_node=2, inference_gpus="2")
+    args = grpo_args(nnodes=2, node_rank=1, master_addr="127.0.0.1", device="cpu", gpus_per_node=2, inference_gpus="2")
     plan = nodes.plan_node(args, environ={})
     assert (plan.rank, plan.multi_node, plan.runs_trainer(), plan.weight_backend) == (1, True, False, "gloo")
     assert [s.index for s in plan.map.servers_on(1)] == [0, 1] and plan.address == "127.0.0.1"
@@ -40,7 +33,7 @@ def test_the_two_node_localhost_layout_from_flags():
 def test_the_weight_backend_follows_the_map(device, inference, asked, expected):
     per_node = 8 if inference else 1
     the_map = world.build_world_map(1, per_node, device, inference, 1)
-    assert nodes.weight_backend_for(GRPOArgs(weight_backend=asked), the_map) == expected
+    assert nodes.weight_backend_for(grpo_args(weight_backend=asked), the_map) == expected
 
 
 @pytest.mark.parametrize(
@@ -53,12 +46,12 @@ def test_the_weight_backend_follows_the_map(device, inference, asked, expected):
 def test_nccl_where_it_cannot_run_is_refused(device, inference, message):
     the_map = world.build_world_map(1, 4 if inference else 1, device, inference, 1)
     with pytest.raises(UserError, match=message):
-        nodes.weight_backend_for(GRPOArgs(weight_backend="nccl"), the_map)
+        nodes.weight_backend_for(grpo_args(weight_backend="nccl"), the_map)
 
 
 def test_servers_by_hand_only_with_the_colocated_layout():
-    args = args_with(device="cpu", gpus_per_node=2)
-    args.servers = ["http://127.0.0.1:1"]
+    args = grpo_args(device="cpu", gpus_per_node=2)
+    args.serving.servers = ["http://127.0.0.1:1"]
     with pytest.raises(UserError, match="--servers: servers started by hand serve one node's colocated layout"):
         nodes.plan_node(args, environ={})
 
@@ -66,22 +59,22 @@ def test_servers_by_hand_only_with_the_colocated_layout():
 def test_a_loopback_redis_stream_is_refused_when_trainers_on_other_nodes_read_it():
     plan = plan_of(2, 2, "cpu", "1", master="10.0.0.1")  # node 1: a server and trainer rank 2
     assert [t.rank for t in plan.map.trainers_on(1)] == [2]
-    args = GRPOArgs(stream="redis://127.0.0.1:6379/0?stream=s")
+    args = grpo_args(stream="redis://127.0.0.1:6379/0?stream=s")
     with pytest.raises(UserError, match="trainer processes on other nodes read the stream, and 127.0.0.1 is"):
         nodes.check_stream(args, plan)
-    nodes.check_stream(GRPOArgs(stream="redis://10.0.0.1:6379/0?stream=s"), plan)
+    nodes.check_stream(grpo_args(stream="redis://10.0.0.1:6379/0?stream=s"), plan)
     nodes.check_stream(args, plan_of(2, 2, "cpu", "2"))  # node 1 only serves: only node 0 reads the stream
 
 
 def test_a_node_that_does_not_see_node_0s_folder_is_refused_where_it_needs_it(tmp_path):
     node_1 = plan_of(2, 2, "cpu", "1", rank=1)  # a trainer process on node 1, which reads the stream file
-    args = GRPOArgs(output_dir=str(tmp_path))
+    args = grpo_args(output_dir=str(tmp_path))
     with pytest.raises(UserError, match="node 1 does not see node 0's run folder, which holds the stream file"):
         nodes.check_shared_folder(args, node_1, run_id="abc")
     (tmp_path / "world.json").write_text(json.dumps({"run_id": "abc"}))
     nodes.check_shared_folder(args, node_1, run_id="abc")
     serving_only = plan_of(2, 2, "cpu", "2", rank=1)
-    nodes.check_shared_folder(GRPOArgs(output_dir=str(tmp_path / "elsewhere")), serving_only, run_id="abc")
+    nodes.check_shared_folder(grpo_args(output_dir=str(tmp_path / "elsewhere")), serving_only, run_id="abc")
 
 
 def test_trainer_processes_across_nodes_are_one_group_at_node_0():
@@ -105,11 +98,13 @@ def test_a_process_on_gpus_sees_only_its_own_through_the_launchers_numbering(mon
 def test_the_roles_run_with_the_maps_counts_and_node_0s_address(monkeypatch):
     monkeypatch.setattr(nodes, "usable_cores", lambda: 8)
     plan = plan_of(2, 2, "cpu", "2")
-    resolved = nodes.role_args(GRPOArgs(), plan, trainer_host="10.0.0.1")
-    assert (resolved.num_servers, resolved.trainer_processes, resolved.trainer_host) == (2, 2, "10.0.0.1")
-    assert (resolved.weight_backend, resolved.threads) == ("gloo", 4)  # a slot's share of 8 cores
-    colocated = nodes.role_args(GRPOArgs(num_servers=3), plan_of(1, 1, "cpu", ""), trainer_host="10.0.0.1")
-    assert (colocated.num_servers, colocated.trainer_host, colocated.threads) == (3, "127.0.0.1", 0)
+    resolved = nodes.role_args(grpo_args(), plan, trainer_host="10.0.0.1")
+    processes = resolved.processes
+    assert (resolved.serving.num_servers, processes.trainer_processes, processes.trainer_host) == (2, 2, "10.0.0.1")
+    assert (processes.weight_backend, processes.threads) == ("gloo", 4)  # a slot's share of 8 cores
+    colocated = nodes.role_args(grpo_args(num_servers=3), plan_of(1, 1, "cpu", ""), trainer_host="10.0.0.1")
+    processes = colocated.processes
+    assert (colocated.serving.num_servers, processes.trainer_host, processes.threads) == (3, "127.0.0.1", 0)
 
 
 def test_the_launchers_placement_is_not_passed_on_to_its_children():

@@ -67,8 +67,9 @@ class RunStart:
     """Node 0's decisions, which every node starts from."""
 
     version: int  # the weights the servers start with (a resumed run's checkpoint)
-    model: str  # what the servers load: the model, or a resumed run's checkpoint folder
-    control_token: str  # the servers' control token, which the trainer on node 0 sends to every server
+    model: str  # what the servers load, as each node resolves it: the model, or a resumed run's checkpoint folder
+    control_token: str  # the servers' control token, only where the store is this machine's loopback; else ""
+    control_token_sha256: str  # beyond loopback each node has the token from its environment: they compare
     trainer_port: int  # MASTER_PORT of the trainer's process group, at node 0's address
     run_id: str  # also in node 0's world.json: a node that reads it there sees node 0's run folder
 
@@ -87,21 +88,24 @@ class Rendezvous:
         master_port: int,
         roles: dict[int, str],
         timeout_s: float,
-        agent_store: bool = False,
+        agent_store: str | None = None,
     ):
         """`roles`: what each node runs, in words, for the lines that name a lost node (`WorldMap.roles_of`).
-        `agent_store`: torchrun's agent on node 0 already holds a store at the address (every launcher connects)."""
+        `agent_store`: torchrun's agent on node 0 already holds a store at the address, which every launcher then
+        joins, its keys under this prefix (torchrun's restart count: a restarted run does not read the last one's)."""
         self.node_rank, self.nnodes, self.roles = node_rank, nnodes, roles
         self.host, self.port, self.where = master_addr, master_port, f"{master_addr}:{master_port}"
         self.timeout_s = timeout_s
+        self.prefix = f"grpo/{agent_store}" if agent_store is not None else "grpo"
         self._failure: str | None = None
         self._node0_done = False
         self._stop = threading.Event()
         self.hellos: dict[int, NodeHello] = {}  # once met: node 0's (every node's, on node 0)
-        self.store = self._connect(is_master=node_rank == 0 and not agent_store)
+        self.store = self._connect(is_master=node_rank == 0 and agent_store is None, timeout_s=timeout_s)
 
-    def _connect(self, is_master: bool):
-        """A connection to the store (node 0's launcher: the store itself), its keys under `grpo/`."""
+    def _connect(self, is_master: bool, timeout_s: float):
+        """A connection to the store (node 0's launcher: the store itself), its keys under `prefix`; each operation
+        waits at most `timeout_s`."""
         import torch.distributed as dist  # torch: only for a run over several nodes
 
         try:
@@ -110,7 +114,7 @@ class Rendezvous:
                 self.port,
                 self.nnodes,
                 is_master,
-                timeout=datetime.timedelta(seconds=self.timeout_s),
+                timeout=datetime.timedelta(seconds=timeout_s),
                 wait_for_workers=False,
             )
         except (RuntimeError, OSError) as error:  # DistNetworkError, DistStoreError: both RuntimeErrors
@@ -119,32 +123,41 @@ class Rendezvous:
                     f"node 0 cannot listen at {self.where} for the other nodes ({error}): pass a free --master-port"
                 ) from None
             raise RendezvousError(
-                f"node 0's rendezvous at {self.where} did not answer within {self.timeout_s:.0f} s "
+                f"node 0's rendezvous at {self.where} did not answer within {timeout_s:.0f} s "
                 f"({error}): start node 0 with the same --master-addr and --master-port"
             ) from None
-        return dist.PrefixStore("grpo", store)
+        return dist.PrefixStore(self.prefix, store)
 
     def meet(self, hello: NodeHello) -> dict[int, NodeHello]:
-        """Say hello and wait for every node's; RendezvousError naming a node that did not join within the timeout or
-        whose map differs from node 0's (every node checks its own against node 0's, node 0 checks them all)."""
+        """Say hello and wait for every node's; RendezvousError naming a node that did not join within the timeout,
+        a rank two launchers claim, or a map that differs from node 0's (every node checks its own against node 0's,
+        node 0 checks them all; node 0 tells the others why it stops)."""
+        if self.store.add(f"joined/{self.node_rank}", 1) != 1:
+            raise RendezvousError(
+                f"node rank {self.node_rank} joined twice: give each node's launcher its own --node-rank"
+            )
         self.store.set(f"hello/{self.node_rank}", hello.to_json())
         others = range(self.nnodes) if self.node_rank == 0 else [0]
-        raws = self._wait_all([f"hello/{r}" for r in others])
-        self.hellos = {rank: _record(NodeHello, raw) for rank, raw in raws.items()}
-        for rank, theirs in self.hellos.items():
-            if theirs.map_digest != hello.map_digest:
-                raise RendezvousError(
-                    f"node {rank if self.node_rank == 0 else self.node_rank}'s world map differs from node 0's "
-                    "(other flags, or other GPUs on that node): start every node with the same command and "
-                    "--gpus-per-node"
-                )
+        try:
+            raws = self._wait_all([f"hello/{r}" for r in others])
+            self.hellos = {rank: _record(NodeHello, raw) for rank, raw in raws.items()}
+            for rank, theirs in self.hellos.items():
+                if theirs.map_digest != hello.map_digest:
+                    raise RendezvousError(
+                        f"node {rank if self.node_rank == 0 else self.node_rank}'s world map differs from node 0's "
+                        "(other flags, or other GPUs on that node): start every node with the same command and "
+                        "--gpus-per-node"
+                    )
+        except RendezvousError as error:
+            self.fail(f"node {self.node_rank} ({self.roles.get(self.node_rank, '')}): {error}")
+            raise
         return self.hellos
 
     def _wait_all(self, keys: list[str]) -> dict[int, bytes]:
         deadline = time.monotonic() + self.timeout_s
-        while not all(self.store.check([key]) for key in keys):
+        while not all(self._has(key) for key in keys):
             if time.monotonic() > deadline:
-                missing = [key.rsplit("/", 1)[1] for key in keys if not self.store.check([key])]
+                missing = [key.rsplit("/", 1)[1] for key in keys if not self._has(key)]
                 raise RendezvousError(
                     f"node {', '.join(missing)} did not join within {self.timeout_s:.0f} s "
                     f"({'; '.join(self.roles.get(int(r), '') for r in missing)}): start it with the same command, "
@@ -153,13 +166,28 @@ class Rendezvous:
             time.sleep(0.05)
         return {int(key.rsplit("/", 1)[1]): self.store.get(key) for key in keys}
 
+    def _has(self, key: str) -> bool:
+        """Whether the store holds `key`; NodeLost naming the failure a node posted, or node 0 once its store is
+        gone."""
+        try:
+            if self.store.check(["failed"]):
+                raise NodeLost(self.store.get("failed").decode())
+            return self.store.check([key])
+        except RuntimeError as error:
+            if isinstance(error, NodeLost):
+                raise
+            raise NodeLost(self._node0_gone(error)) from None
+
+    def _node0_gone(self, error: Exception) -> str:
+        return f"node 0 ({self.roles.get(0, '')}) is gone: its rendezvous at {self.where} stopped answering ({error})"
+
     def announce(self, start: RunStart) -> None:
         """Node 0: the decisions the others wait for."""
         self.store.set("start", start.to_json())
 
     def run_start(self) -> RunStart:
         """Node 0's decisions, waiting for them (node 0 checks the folder and the stream first)."""
-        return _record(RunStart, self._wait_until("start", lambda: None))
+        return _record(RunStart, self._wait_until("start", lambda: None, deadline=time.monotonic() + self.timeout_s))
 
     def publish_servers(self, urls: dict[int, str]) -> None:
         """The URLs of the servers this node started, by their index in the map."""
@@ -167,52 +195,51 @@ class Rendezvous:
             self.store.set(f"server/{index}", url)
 
     def server_urls(self, count: int, while_waiting: Callable[[], None]) -> dict[int, str]:
-        """Every server's URL, once every node has published its own; `while_waiting()` is called between looks
-        (the launcher checks its own processes; what it raises ends the wait), and so is `check`."""
-        return {
-            index: self._wait_until(f"server/{index}", while_waiting, timeout_s=None).decode() for index in range(count)
-        }
+        """Every server's URL, once every node has published its own (servers take their time to load: no limit,
+        as a node that fails or goes away ends the wait); `while_waiting()` is called between looks (the launcher
+        checks its own processes; what it raises ends the wait), and so is `check`."""
+        return {index: self._wait_until(f"server/{index}", while_waiting).decode() for index in range(count)}
 
-    def _wait_until(self, key: str, while_waiting: Callable[[], None], timeout_s: float | None = 0) -> bytes:
-        """The key's value once set. `timeout_s` 0: the rendezvous's; None: no limit (servers take their time
-        to load; a node that fails or goes away meanwhile ends the wait through `check`)."""
-        deadline = time.monotonic() + (self.timeout_s if timeout_s == 0 else timeout_s or float("inf"))
-        while not self.store.check([key]):
+    def _wait_until(self, key: str, while_waiting: Callable[[], None], deadline: float = float("inf")) -> bytes:
+        """The key's value once set, waiting until `deadline` (time.monotonic's)."""
+        while not self._has(key):
             while_waiting()
             self.check()
-            if self.store.check(["failed"]):  # before `watch` listens: a node that failed on its way in
-                raise NodeLost(self.store.get("failed").decode())
             if time.monotonic() > deadline:
-                raise RendezvousError(f"node 0 did not say how to start within {self.timeout_s:.0f} s")
+                raise RendezvousError(f"node 0 did not write {key!r} in the store within {self.timeout_s:.0f} s")
             time.sleep(0.1)
         return self.store.get(key)
 
     def watch(self) -> None:
-        """Start saying that this node is alive, and listening for the others' end (`check` raises it)."""
+        """Start saying that this node is alive, and listening for the others' end (`check` raises it): node 0
+        listens for every node's heartbeat, the others for node 0's."""
         threading.Thread(target=self._watch_forever, name="rendezvous-watch", daemon=True).start()
 
     def _watch_forever(self) -> None:
-        store = self._connect(is_master=False)  # a connection of its own: a store client is not shared by threads
-        seen = {rank: (-1, time.monotonic()) for rank in range(1, self.nnodes)}
+        # a connection of its own, whose operations give up as soon as a silent node would be taken as gone
+        store = self._connect(is_master=False, timeout_s=SILENCE_LIMIT_S)
+        watched = range(1, self.nnodes) if self.node_rank == 0 else [0]
+        seen = {rank: (-1, time.monotonic()) for rank in watched}
         while not self._stop.wait(HEARTBEAT_S):
             try:
                 store.add(f"alive/{self.node_rank}", 1)
                 if store.check(["failed"]):
                     self._failure = store.get("failed").decode()
                     return
-                if self.node_rank != 0:
-                    self._node0_done = store.check(["done"])
-                    continue
-                for rank, (count, since) in seen.items():  # node 0 listens for every node's heartbeat
+                if self.node_rank != 0 and store.check(["done"]):
+                    self._node0_done = True
+                    return
+                for rank, (count, since) in seen.items():
                     now = store.add(f"alive/{rank}", 0)
                     if now != count:
                         seen[rank] = (now, time.monotonic())
                     elif time.monotonic() - since > SILENCE_LIMIT_S:
-                        self.fail(f"node {rank} ({self.roles.get(rank, '')}) fell silent for {SILENCE_LIMIT_S:.0f} s")
+                        line = f"node {rank} ({self.roles.get(rank, '')}) fell silent for {SILENCE_LIMIT_S:.0f} s"
+                        store.compare_set("failed", "", line)  # the first failure told is the one every node prints
                         self._failure = store.get("failed").decode()
                         return
-            except RuntimeError as error:  # only node 0 holds the store: it is gone
-                self._failure = f"node 0 ({self.roles.get(0, '')}) is gone: its rendezvous stopped answering ({error})"
+            except RuntimeError as error:  # the store is node 0's: it is gone, or cannot be reached
+                self._failure = self._node0_gone(error)
                 return
 
     def check(self) -> None:

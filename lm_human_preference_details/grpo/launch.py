@@ -52,6 +52,8 @@ from lm_human_preference_details.grpo.protocol import TOKEN_ENV
 log = logging.getLogger(__name__)
 
 SERVER_START_TIMEOUT_S = 600
+VLLM_OWN_GPU_MEMORY = 0.9
+"""the share of its GPUs' memory a vLLM server takes where no trainer shares them (vLLM's own default)"""
 
 
 class RoleExited(RuntimeError):
@@ -231,17 +233,19 @@ class Run:
                 model,
                 version,
                 server.index,
-                threads=nodes.server_threads(self.args, the_map, server),
+                threads=nodes.server_threads(self.args, the_map),
                 tensor_parallel=len(server.devices) if not the_map.colocated else 1,
             )
+            if self.engine.name == "vllm" and the_map.device == "cuda" and not the_map.colocated:
+                flags += ["--gpu-memory-utilization", str(VLLM_OWN_GPU_MEMORY)]  # no trainer shares its GPUs
             env = {**os.environ, **nodes.device_environment(the_map, list(server.devices))}
             with open(self._server_log(server.index), "ab") as log_file:  # the child keeps its own handle
                 started[server.index] = self.engine.start(server.index, flags, log_file, env, self.plan.address)
             self.servers.append(started[server.index].process)
         for index, server_process in started.items():  # they load their models side by side
             try:
-                url = server_process.wait_until_serving(SERVER_START_TIMEOUT_S, self.check_roles_started)
-            except RoleExited:
+                url = server_process.wait_until_serving(SERVER_START_TIMEOUT_S, self.check_others)
+            except (RoleExited, rendezvous.NodeLost):
                 raise
             except RuntimeError as error:
                 said = last_error_line(self._server_log(index))
@@ -262,7 +266,7 @@ class Run:
             self.server_urls += [self.local_urls[index] for index in sorted(self.local_urls)]
             return
         self.meeting.publish_servers(self.local_urls)
-        every = self.meeting.server_urls(len(self.plan.map.servers), while_waiting=self.check_roles_started)
+        every = self.meeting.server_urls(len(self.plan.map.servers), while_waiting=self.check_others)
         self.server_urls = [every[index] for index in sorted(every)]
 
     def start_roles(self, args: GRPOArgs, first_group: int, trainer_group: tuple[str, int]) -> None:
@@ -290,6 +294,12 @@ class Run:
             with contextlib.suppress(BrokenPipeError):  # a role that died already: `wait` says so
                 send.send(self.server_urls)
             send.close()
+
+    def check_others(self) -> None:
+        """What ends a wait for servers: this node's trainer or actor ended, or another node failed or went away."""
+        self.check_roles_started()
+        if self.meeting is not None:
+            self.meeting.check()
 
     def check_roles_started(self) -> None:
         """RoleExited if the trainer or the actor has ended: before the servers serve, any end is a failure."""
@@ -378,6 +388,7 @@ def launch(args: GRPOArgs) -> None:
     """Start this node's part of the run, run to the last step, stop everything (also on failure or a signal)."""
     args.check()
     plan = nodes.plan_node(args)
+    nodes.check_control_token(plan)
     agent_store = nodes.forget_placement_variables()  # read: the children get their own
     # the one place the engine is chosen
     engine = None if args.serving.servers else ServerEngine(args.serving.server_engine(), args.output_dir)
@@ -397,18 +408,19 @@ def launch(args: GRPOArgs) -> None:
     try:
         os.makedirs(args.output_dir, exist_ok=True)
         start = start_of_run(args, plan, engine, meeting)
-        os.environ[TOKEN_ENV] = start.control_token
+        os.environ[TOKEN_ENV] = start_token(plan, start)
         run = Run(args, plan, engine, meeting)
         if meeting is not None:
             meeting.watch()
-        trainer_host = meeting.hellos[0].address if meeting is not None else plan.address
+        # the address every node reached node 0 at: its servers join the trainer's weight groups there
+        trainer_host = plan.node.master_addr if meeting is not None else plan.address
         run.start_roles(
             nodes.role_args(args, plan, trainer_host),
             first_group=start.version * args.groups_per_step(),  # they load while the servers do
             trainer_group=(trainer_host, start.trainer_port),
         )
         if not args.serving.servers:
-            run.start_servers(engine.model_for_servers(start.model) if plan.rank else start.model, start.version)
+            run.start_servers(engine.model_for_servers(start.model), start.version)  # as this node resolves it
         run.gather_server_urls()
         if plan.rank == 0:
             world_file(args, plan, start, run.server_urls)
@@ -432,9 +444,9 @@ def launch(args: GRPOArgs) -> None:
         signal.signal(signal.SIGINT, previous_int)
 
 
-def meet(args: GRPOArgs, plan: nodes.NodePlan, agent_store: bool) -> rendezvous.Rendezvous:
-    """Meet the other nodes' launchers at node 0's store (or torchrun's, `agent_store`); they must have built the
-    same map."""
+def meet(args: GRPOArgs, plan: nodes.NodePlan, agent_store: str | None) -> rendezvous.Rendezvous:
+    """Meet the other nodes' launchers at node 0's store (or torchrun's: `agent_store`, its restart count); they
+    must have built the same map."""
     the_map = plan.map
     roles = {node: the_map.roles_of(node) for node in range(plan.node.nnodes)}
     meeting = rendezvous.Rendezvous(
@@ -448,7 +460,7 @@ def meet(args: GRPOArgs, plan: nodes.NodePlan, agent_store: bool) -> rendezvous.
     )
     try:
         meeting.meet(rendezvous.NodeHello(plan.rank, the_map.digest(), plan.address))
-    except rendezvous.RendezvousError as error:
+    except (rendezvous.RendezvousError, rendezvous.NodeLost) as error:  # refused here, or by another node
         raise cli.UserError(str(error)) from None
     return meeting
 
@@ -478,9 +490,11 @@ def start_of_run(args: GRPOArgs, plan: nodes.NodePlan, engine, meeting) -> rende
         state, model = {"version": 0, "stream_position": 0}, args.task.model
     version = state["version"]
     if engine is not None:
-        model = engine.model_for_servers(model)  # before anything starts: a model the engine cannot serve is refused
+        engine.model_for_servers(model)  # before anything starts: a model the engine cannot serve is refused
     # servers started elsewhere
     check_serving(args.serving.servers, version, model, "resumes" if args.resume else "starts")
+    token = nodes.node0_control_token()
+    os.environ[TOKEN_ENV] = token  # the servers and the trainer this node starts inherit it
     # a new run starts from an empty stream (an earlier run's samples are not ours); a resumed run
     # drops what the crashed run generated after its checkpoint, from weights that are gone
     dropped = streams.truncate(args.stream_url(), state["stream_position"])
@@ -488,8 +502,9 @@ def start_of_run(args: GRPOArgs, plan: nodes.NodePlan, engine, meeting) -> rende
         log.info("starting at step %d: %d groups of the stream dropped", version, dropped)
     start = rendezvous.RunStart(
         version=version,
-        model=model,
-        control_token=os.environ.get(TOKEN_ENV) or secrets.token_hex(32),
+        model=model,  # each node resolves it for its engine (a preset's folder is in that node's cache)
+        control_token=nodes.shared_control_token(token, plan.node.master_addr),
+        control_token_sha256=nodes.token_sha256(token),
         trainer_port=free_port(),
         run_id=secrets.token_hex(8),
     )
@@ -513,6 +528,14 @@ def run_summary(output_dir: str, plan: nodes.NodePlan, servers: int) -> str:
         f"(first fifth -> last fifth), lag {mean('lag/mean', rows):.2f}, nodes {plan.node.nnodes}, "
         f"servers {servers}, trainer processes {len(plan.map.trainers)}"
     )
+
+
+def start_token(plan: nodes.NodePlan, start: rendezvous.RunStart) -> str:
+    """This node's control token for the servers: node 0's (announced on this machine's loopback, else each node's
+    own $GRPO_SERVER_TOKEN, checked against node 0's)."""
+    if plan.rank == 0:
+        return os.environ[TOKEN_ENV]  # set by start_of_run
+    return nodes.control_token_of(start.control_token, start.control_token_sha256)
 
 
 def world_file(args: GRPOArgs, plan: nodes.NodePlan, start: rendezvous.RunStart, server_urls: list[str]) -> None:

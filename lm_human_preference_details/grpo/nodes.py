@@ -6,14 +6,17 @@ inference server its devices and each trainer process one device; a process on a
 torch.distributed group across the nodes, at node 0's address, as torchrun would describe it to them.
 """
 
+import hashlib
+import json
 import os
+import secrets
 import socket
 from dataclasses import dataclass, replace
 
 from lm_human_preference_details.cli import UserError
 from lm_human_preference_details.grpo import streams, world
 from lm_human_preference_details.grpo.config import GRPOArgs
-from lm_human_preference_details.grpo.protocol import WeightBackend
+from lm_human_preference_details.grpo.protocol import TOKEN_ENV, WeightBackend, is_loopback
 
 FSDP2_ENVIRONMENT = {
     "ACCELERATE_USE_FSDP": "true",
@@ -82,12 +85,16 @@ PLACEMENT_VARIABLES = (
 """what torchrun or a PyTorchJob tells the launcher of its place, which no child may take for its own"""
 
 
-def forget_placement_variables(environ=os.environ) -> bool:
-    """Drop the variables that placed this launcher (`PLACEMENT_VARIABLES`, torchrun's `TORCHELASTIC_*`): a trainer
-    process is given its own (`trainer_environments`), and a server or the actor none. Returns whether torchrun's
-    agent holds a store at MASTER_PORT already, which the rendezvous then uses."""
-    agent_store = environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    for name in [*PLACEMENT_VARIABLES, *(name for name in environ if name.startswith("TORCHELASTIC_"))]:
+def forget_placement_variables(environ=os.environ) -> str | None:
+    """Drop the variables that placed this launcher (`PLACEMENT_VARIABLES`, torchrun's `TORCHELASTIC_*`, Slurm's
+    `SLURM_*`): a trainer process is given its own (`trainer_environments`), and a server or the actor none. Returns,
+    where torchrun's agent holds a store at MASTER_PORT already (which the rendezvous then uses), its restart count
+    (the rendezvous's keys are of this attempt); None elsewhere."""
+    agent_store = None
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        agent_store = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    scheduler = [name for name in environ if name.startswith(("TORCHELASTIC_", "SLURM_"))]
+    for name in [*PLACEMENT_VARIABLES, *scheduler]:
         environ.pop(name, None)
     return agent_store
 
@@ -108,11 +115,17 @@ def weight_backend_for(args: GRPOArgs, the_map: world.WorldMap) -> WeightBackend
 
 
 def check_stream(args: GRPOArgs, plan: NodePlan) -> None:
-    """A stream every trainer process can read: on another node, a Redis stream at an address it reaches."""
+    """A stream every trainer process can read: with trainer processes on other nodes than 0, a Redis stream at an
+    address they reach (a file on a shared filesystem shows new lines late, or half written)."""
     if not any(t.node != 0 for t in plan.map.trainers):
         return
     where = streams.parse_stream_url(args.stream_url())
-    if isinstance(where, streams.RedisStreamUrl) and is_loopback(where.host) and not is_loopback(plan.node.master_addr):
+    if not isinstance(where, streams.RedisStreamUrl):
+        raise UserError(
+            f"--stream {args.stream_url()}: trainer processes on other nodes than 0 read the stream; give them a "
+            "Redis stream on node 0, --stream redis://NODE0:6379/0?stream=NAME"
+        )
+    if is_loopback(where.host) and not is_loopback(plan.node.master_addr):
         raise UserError(
             f"--stream {args.stream}: trainer processes on other nodes read the stream, and {where.host} is this "
             "node's loopback: give node 0's address"
@@ -120,14 +133,12 @@ def check_stream(args: GRPOArgs, plan: NodePlan) -> None:
 
 
 def check_shared_folder(args: GRPOArgs, plan: NodePlan, run_id: str) -> None:
-    """On a node beyond 0: a UserError unless this node sees node 0's run folder, where it is needed (a file stream
-    its trainer processes read, checkpoints a resumed run loads); node 0 wrote `world.json` with `run_id` there."""
-    seen = world_file_run_id(args.output_dir) == run_id
-    if seen or not (plan.runs_trainer() or args.resume):
+    """On a node beyond 0: a UserError unless this node sees node 0's run folder where it needs it (its trainer
+    processes' checkpoints, the checkpoint a resumed run's servers load); node 0 wrote `world.json` with `run_id`
+    there."""
+    if world_file_run_id(args.output_dir) == run_id or not (plan.runs_trainer() or args.resume):
         return
-    why = "the checkpoint to resume from" if args.resume else "the trainer's files"
-    if plan.runs_trainer() and isinstance(streams.parse_stream_url(args.stream_url()), streams.FileStreamUrl):
-        why = "the stream file (or use --stream redis://NODE0:PORT)"
+    why = "the checkpoint to resume from" if args.resume else "the trainer's checkpoints"
     raise UserError(
         f"--output-dir {args.output_dir}: node {plan.rank} does not see node 0's run folder, which holds {why}: give "
         "every node the same shared folder"
@@ -135,13 +146,47 @@ def check_shared_folder(args: GRPOArgs, plan: NodePlan, run_id: str) -> None:
 
 
 def world_file_run_id(output_dir: str) -> str | None:
-    import json
-
+    """The run id in a run folder's `world.json` (None where there is none to read)."""
     try:
         with open(os.path.join(output_dir, "world.json")) as f:
             return json.load(f).get("run_id")
     except (OSError, ValueError):
         return None
+
+
+def check_control_token(plan: NodePlan) -> None:
+    """Across machines every node needs the servers' control token from its environment, before anything starts:
+    servers there listen beyond loopback, and the rendezvous store, which anyone who reaches it can read, is no place
+    for a secret."""
+    if plan.multi_node and not is_loopback(plan.node.master_addr) and not os.environ.get(TOKEN_ENV):
+        raise UserError(
+            f"{TOKEN_ENV} is not set: on a run over several machines, set it to one secret on every node (e.g. "
+            f"`export {TOKEN_ENV}=$(openssl rand -hex 32)` before srun, as examples/slurm/grpo.sbatch does); the "
+            "servers' control endpoints require it"
+        )
+
+
+def node0_control_token() -> str:
+    """The servers' control token, on node 0: $GRPO_SERVER_TOKEN, or else one made here (`check_control_token`
+    allowed it: no other machine needs it)."""
+    return os.environ.get(TOKEN_ENV) or secrets.token_hex(32)
+
+
+def shared_control_token(token: str, master_addr: str) -> str:
+    """What node 0 announces of the token: the token itself only where the store is this machine's loopback."""
+    return token if is_loopback(master_addr) else ""
+
+
+def control_token_of(announced: str, sha256: str) -> str:
+    """A node's control token: the one announced, or its own $GRPO_SERVER_TOKEN, which must be node 0's."""
+    token = announced or os.environ.get(TOKEN_ENV, "")
+    if token_sha256(token) != sha256:
+        raise UserError(f"{TOKEN_ENV} differs from node 0's (or is not set): set the same secret on every node")
+    return token
+
+
+def token_sha256(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
 
 
 def address_toward(master_addr: str) -> str:
@@ -155,15 +200,6 @@ def address_toward(master_addr: str) -> str:
         except OSError as error:
             raise UserError(f"--master-addr {master_addr}: no route to it from this node ({error})") from None
         return probe.getsockname()[0]
-
-
-def is_loopback(host: str) -> bool:
-    import ipaddress
-
-    try:
-        return all(ipaddress.ip_address(info[4][0]).is_loopback for info in socket.getaddrinfo(host, None))
-    except (OSError, ValueError):
-        return False
 
 
 def role_args(args: GRPOArgs, plan: NodePlan, trainer_host: str) -> GRPOArgs:
@@ -216,8 +252,9 @@ def device_environment(the_map: world.WorldMap, devices: list[int]) -> dict[str,
     return {"CUDA_VISIBLE_DEVICES": ",".join(physical[d] for d in devices)}
 
 
-def server_threads(args: GRPOArgs, the_map: world.WorldMap, server: world.Server) -> int:
-    """A server's CPU threads: `--threads`, the colocated layout's share, or its devices' share of a CPU stand-in."""
-    if args.processes.threads or the_map.colocated or the_map.device == "cuda":
+def server_threads(args: GRPOArgs, the_map: world.WorldMap) -> int:
+    """A server's CPU threads (a vLLM server's per worker): `--threads`, the colocated layout's share, or else a
+    device's share of the node's cores (each GPU's server processes, each CPU slot's)."""
+    if args.processes.threads or the_map.colocated:
         return args.torch_threads("server")
-    return world.threads_per_device(usable_cores(), the_map.devices_per_node) * len(server.devices)
+    return world.threads_per_device(usable_cores(), the_map.devices_per_node)

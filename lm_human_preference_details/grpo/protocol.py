@@ -5,6 +5,8 @@ the check a server makes of an update's parameters (`mismatches`).
 Plain Python, no torch: the client side of the contract (`grpo.client`) and the launcher import it.
 """
 
+import ipaddress
+import socket
 from dataclasses import dataclass
 from typing import Literal
 
@@ -61,3 +63,11 @@ def mismatches(expected: list[ParameterSpec], offered: list[ParameterSpec]) -> l
     if len(offered) != len(have):
         reasons.append("a parameter name is repeated")
     return sorted(reasons)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether every address `host` resolves to is loopback: a server there, or a store, serves this machine only."""
+    try:
+        return all(ipaddress.ip_address(info[4][0]).is_loopback for info in socket.getaddrinfo(host, None))
+    except (OSError, ValueError):
+        return False

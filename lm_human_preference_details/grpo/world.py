@@ -119,10 +119,13 @@ def scheduler_settings(environ: Mapping[str, str]) -> tuple[str, dict[str, Setti
         return "torchrun", settings
     if "SLURM_NNODES" in environ:
         nnodes = (environ["SLURM_NNODES"], "SLURM_NNODES")
-        tasks = (environ.get("SLURM_NTASKS", environ["SLURM_NNODES"]), "SLURM_NTASKS")
+        # the step's tasks, which srun sets: a batch script that runs the launcher itself is one task, whatever
+        # the job's allocation says
+        tasks = (environ.get("SLURM_STEP_NUM_TASKS", "1"), "SLURM_STEP_NUM_TASKS")
+        step_nodes = (environ.get("SLURM_STEP_NUM_NODES", "1"), "SLURM_STEP_NUM_NODES")
         fix = "start one launcher per node, `srun --ntasks-per-node 1`"
-        if whole_number(tasks, 1, fix) > whole_number(nnodes, 1, fix):
-            raise UserError(f"{spelled(tasks)} tasks on {spelled(nnodes)} nodes: {fix}")
+        if whole_number(tasks, 1, fix) > whole_number(step_nodes, 1, fix):
+            raise UserError(f"{spelled(tasks)} tasks on {spelled(step_nodes)} nodes: {fix}")
         settings = {"nnodes": nnodes}
         if "SLURM_NODEID" in environ:
             settings["node_rank"] = (environ["SLURM_NODEID"], "SLURM_NODEID")

@@ -6,6 +6,7 @@ import pytest
 
 from lm_human_preference_details.cli import UserError
 from lm_human_preference_details.grpo import nodes, world
+from lm_human_preference_details.grpo.protocol import TOKEN_ENV
 from tests.grpo.args import grpo_args
 
 
@@ -56,20 +57,22 @@ def test_servers_by_hand_only_with_the_colocated_layout():
         nodes.plan_node(args, environ={})
 
 
-def test_a_loopback_redis_stream_is_refused_when_trainers_on_other_nodes_read_it():
+def test_trainers_on_other_nodes_read_a_redis_stream_they_reach():
     plan = plan_of(2, 2, "cpu", "1", master="10.0.0.1")  # node 1: a server and trainer rank 2
     assert [t.rank for t in plan.map.trainers_on(1)] == [2]
-    args = grpo_args(stream="redis://127.0.0.1:6379/0?stream=s")
+    with pytest.raises(UserError, match="trainer processes on other nodes than 0 read the stream; give them a Redis"):
+        nodes.check_stream(grpo_args(), plan)  # the default: a file in the run folder
+    loopback = grpo_args(stream="redis://127.0.0.1:6379/0?stream=s")
     with pytest.raises(UserError, match="trainer processes on other nodes read the stream, and 127.0.0.1 is"):
-        nodes.check_stream(args, plan)
+        nodes.check_stream(loopback, plan)
     nodes.check_stream(grpo_args(stream="redis://10.0.0.1:6379/0?stream=s"), plan)
-    nodes.check_stream(args, plan_of(2, 2, "cpu", "2"))  # node 1 only serves: only node 0 reads the stream
+    nodes.check_stream(grpo_args(), plan_of(2, 2, "cpu", "2"))  # node 1 only serves: only node 0 reads the stream
 
 
 def test_a_node_that_does_not_see_node_0s_folder_is_refused_where_it_needs_it(tmp_path):
-    node_1 = plan_of(2, 2, "cpu", "1", rank=1)  # a trainer process on node 1, which reads the stream file
+    node_1 = plan_of(2, 2, "cpu", "1", rank=1)  # a trainer process on node 1, which writes its checkpoint shards
     args = grpo_args(output_dir=str(tmp_path))
-    with pytest.raises(UserError, match="node 1 does not see node 0's run folder, which holds the stream file"):
+    with pytest.raises(UserError, match="node 1 does not see node 0's run folder, which holds the trainer's check"):
         nodes.check_shared_folder(args, node_1, run_id="abc")
     (tmp_path / "world.json").write_text(json.dumps({"run_id": "abc"}))
     nodes.check_shared_folder(args, node_1, run_id="abc")
@@ -108,7 +111,33 @@ def test_the_roles_run_with_the_maps_counts_and_node_0s_address(monkeypatch):
 
 
 def test_the_launchers_placement_is_not_passed_on_to_its_children():
-    environ = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_PORT": "29500", "TORCHELASTIC_USE_AGENT_STORE": "True", "A": "b"}
-    assert nodes.forget_placement_variables(environ) is True  # torchrun's agent holds the store
+    environ = {"RANK": "1", "WORLD_SIZE": "2", "TORCHELASTIC_USE_AGENT_STORE": "True", "SLURM_NODEID": "1", "A": "b"}
+    environ["TORCHELASTIC_RESTART_COUNT"] = "2"
+    assert nodes.forget_placement_variables(environ) == "2"  # torchrun's agent holds the store: this attempt's keys
     assert environ == {"A": "b"}
-    assert nodes.forget_placement_variables({"WORLD_SIZE": "2"}) is False
+    assert nodes.forget_placement_variables({"WORLD_SIZE": "2"}) is None
+
+
+def test_the_control_token_travels_through_the_store_only_on_loopback(monkeypatch):
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    across = plan_of(2, 2, "cpu", "2", master="10.0.0.1")
+    with pytest.raises(UserError, match=f"{TOKEN_ENV} is not set: on a run over several machines, set it"):
+        nodes.check_control_token(across)
+    nodes.check_control_token(plan_of(2, 2, "cpu", "2"))  # loopback: node 0 makes one and announces it
+    assert len(nodes.node0_control_token()) == 64
+    assert nodes.shared_control_token("secret", "127.0.0.1") == "secret"
+    assert nodes.shared_control_token("secret", "10.0.0.1") == ""
+    sha = nodes.token_sha256("secret")
+    assert nodes.control_token_of("secret", sha) == "secret"
+    monkeypatch.setenv(TOKEN_ENV, "other")
+    with pytest.raises(UserError, match=f"{TOKEN_ENV} differs from node 0's"):
+        nodes.control_token_of("", sha)
+    monkeypatch.setenv(TOKEN_ENV, "secret")
+    assert nodes.control_token_of("", sha) == "secret"
+
+
+def test_a_server_gets_a_devices_share_of_the_cores_per_worker(monkeypatch):
+    monkeypatch.setattr(nodes, "usable_cores", lambda: 16)
+    the_map = world.build_world_map(1, 8, "cuda", "4", 2)  # 2 servers of 2 GPUs, 4 trainer processes
+    assert nodes.server_threads(grpo_args(), the_map) == 2
+    assert nodes.server_threads(grpo_args(threads=3), the_map) == 3

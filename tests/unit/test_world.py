@@ -191,7 +191,10 @@ def test_a_cpu_stand_in_gets_its_share_of_the_cores():
 
 
 # ----------------------------------------------------------------------------- this node
-SLURM = {"SLURM_NNODES": "3", "SLURM_NODEID": "1", "SLURM_NTASKS": "3", "SLURM_JOB_NODELIST": "gpu[03-05]"}
+SLURM = {
+    **{"SLURM_NNODES": "3", "SLURM_NODEID": "1", "SLURM_NTASKS": "3", "SLURM_JOB_NODELIST": "gpu[03-05]"},
+    **{"SLURM_STEP_NUM_TASKS": "3", "SLURM_STEP_NUM_NODES": "3"},
+}
 TORCHRUN = {"WORLD_SIZE": "2", "RANK": "1", "GROUP_RANK": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "n0"}
 SOURCES = {
     "the flags": (
@@ -237,7 +240,7 @@ NODE_REFUSALS = {
     "a rank past SLURM_NNODES": (PlacementArgs(), {**SLURM, "SLURM_NODEID": "3"}, "SLURM_NODEID=3 is outside"),
     "several tasks per node under Slurm": (
         PlacementArgs(),
-        {**SLURM, "SLURM_NTASKS": "24"},
+        {**SLURM, "SLURM_STEP_NUM_TASKS": "24"},
         "srun --ntasks-per-node 1",
     ),
     "several processes per node under torchrun": (
@@ -339,3 +342,8 @@ def test_roles_of_a_node_in_words():
     the_map = build_world_map(2, 8, "cuda", "6", 1)  # node 1: servers 0-5 and trainer ranks 8-9
     assert the_map.roles_of(0) == "trainer ranks 0-7, actor, rendezvous"
     assert the_map.roles_of(1) == "servers 0-5, trainer ranks 8-9"
+
+
+def test_a_batch_script_that_runs_the_launcher_itself_is_one_task_whatever_the_job_holds():
+    node = locate_node(PlacementArgs(), {"SLURM_NNODES": "1", "SLURM_NTASKS": "8", "SLURM_NODEID": "0"})
+    assert (node.nnodes, node.node_rank, node.source) == (1, 0, "slurm")

@@ -15,7 +15,7 @@ from urllib.parse import urlparse
 
 from aiohttp import web
 
-from lm_human_preference_details.grpo.protocol import TOKEN_ENV, ParameterSpec, WeightBackend, mismatches
+from lm_human_preference_details.grpo.protocol import TOKEN_ENV, ParameterSpec, WeightBackend, is_loopback, mismatches
 from lm_human_preference_details.grpo.serving.request_checks import BadRequest, read_field
 
 DEFAULT_JOIN_TIMEOUT_S = 300.0
@@ -50,7 +50,7 @@ class ControlAccess:
                 raise SystemExit(f"error: --token-file {token_file}: cannot read it ({error})") from None
             if not token:
                 raise SystemExit(f"error: --token-file {token_file} is empty: write the control token in it")
-        loopback = _is_loopback(host)
+        loopback = is_loopback(host)
         if not token and not loopback:
             raise SystemExit(
                 f"error: --host {host} listens beyond loopback, where anyone who reaches the port could push weights: "
@@ -102,13 +102,6 @@ class ControlAccess:
 
 LOOPBACK_ACCESS = ControlAccess()
 """no token, groups joined on loopback only: a server in a test, or one that only its own machine reaches"""
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return all(ipaddress.ip_address(info[4][0]).is_loopback for info in socket.getaddrinfo(host, None))
-    except (OSError, ValueError):
-        return False
 
 
 @dataclass(frozen=True)

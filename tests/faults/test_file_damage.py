@@ -1,31 +1,25 @@
 """Files a run reads that are damaged, missing or not what they claim, and logs an earlier run left behind.
 
 Each damaged file is one `error:` line naming it and the way out, never a traceback; no run overwrites an earlier
-run's logs. Real files and real runs: the stage scripts' own entry points in this process, the GRPO launcher and
-two `accelerate launch` ranks as processes of their own.
+run's logs. Real files and real runs: the stage scripts' own entry points in this process, the GRPO launcher as a
+process of its own (a killed two-process run's resume: tests/stages/test_train_policy.py).
 """
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from lm_human_preference_details import cli, quickstart, sharding, train_policy, train_reward
 from lm_human_preference_details.cli import UserError
 from lm_human_preference_details.grpo.checkpoints import save_checkpoint
 from lm_human_preference_details.grpo.config import get_preset
 from lm_human_preference_details.grpo.trainer import load_learner
-from lm_human_preference_details.tracking import read_metrics
-from tests.conftest import accelerate_two_processes
 from tests.grpo.args import grpo_args
 from tests.grpo.test_launch import LAUNCH
-from tests.stages.test_train_policy import QUIET, run
+from tests.stages.test_train_policy import QUIET
 
 
 def one_line_error(monkeypatch, capsys, main, argv: list[str]) -> str:
@@ -210,43 +204,3 @@ def test_a_damaged_grpo_optimizer_state_is_a_user_error(tmp_path, grpo_run):
     args = grpo_args(get_preset("tiny"), model="tiny", output_dir=str(tmp_path / "run"), resume=True)
     with pytest.raises(UserError, match=r"/checkpoint/optimizer.pt cannot be read, cut short or corrupted\?"):
         load_learner(args)
-
-
-@pytest.mark.slow
-def test_two_cpu_processes_resume_a_killed_run_to_the_same_weights(tmp_path, tiny_reward_model):
-    """Each CPU process's device under accelerate is `cpu:<rank>`, which torch.load could not restore a checkpoint
-    onto; the resumed run's updates are bitwise those of a run never stopped."""
-    script = os.path.join(os.path.dirname(__file__), "..", "stages", "policy_on_ranks.py")
-    flags = ["--task", "tiny", "--rewards.trained-model", tiny_reward_model, "--ppo.total-episodes", str(64 * 4)]
-    flags += ["--save-interval", "1", *QUIET]
-
-    def launch(out, output_dir, *more: str) -> list[str]:
-        os.makedirs(out, exist_ok=True)
-        return [*accelerate_two_processes(), script, str(out), *flags, "--output-dir", str(output_dir), *more]
-
-    run(launch(tmp_path / "straight", tmp_path / "straight_run"))
-    killed = tmp_path / "killed_run"
-    process = subprocess.Popen(
-        launch(tmp_path / "killed", killed),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    deadline = time.time() + 300
-    while time.time() < deadline and process.poll() is None:
-        if (killed / "metrics.jsonl").exists() and any(m["step"] == 2 for m in read_metrics(killed / "metrics.jsonl")):
-            os.killpg(process.pid, signal.SIGKILL)  # the launcher and both ranks, after update 1's checkpoint
-            break
-        time.sleep(0.05)
-    process.wait(timeout=60)
-    assert process.returncode == -signal.SIGKILL, "the run ended before it could be killed"
-
-    resumed = run(launch(tmp_path / "killed", killed, "--resume"))
-    assert "resumed after update" in resumed.stdout
-    for rank in (0, 1):
-        straight = load_file(tmp_path / "straight" / f"rank{rank}.safetensors")
-        after_resume = load_file(tmp_path / "killed" / f"rank{rank}.safetensors")
-        assert straight.keys() == after_resume.keys()
-        for name in straight:
-            assert torch.equal(straight[name], after_resume[name]), (rank, name)
-    assert [m["step"] for m in read_metrics(killed / "metrics.jsonl")] == [1, 2, 3, 4]

@@ -63,30 +63,50 @@ def test_tiny_preset_end_to_end_score_rises_and_kl_tracks_target(tmp_path):
 
 @pytest.mark.slow
 def test_two_processes_keep_weights_and_kl_coef_identical(tmp_path, tiny_reward_model):
+    """Two DDP processes end with the same weights and KL coefficient, and a killed run resumes to them bitwise on
+    each process (each CPU process's device under accelerate is `cpu:<rank>`, which torch.load could not restore a
+    checkpoint onto)."""
     script = os.path.join(os.path.dirname(__file__), "policy_on_ranks.py")
-    run(
-        [
-            *accelerate_two_processes(),
-            script,
-            str(tmp_path),
-            "--task",
-            "tiny",
-            "--rewards.trained-model",
-            tiny_reward_model,
-            "--ppo.total-episodes",
-            str(64 * 4),
-            "--output-dir",
-            str(tmp_path / "run"),
-            *QUIET,
-        ]
-    )
-    rank0, rank1 = load_file(tmp_path / "rank0.safetensors"), load_file(tmp_path / "rank1.safetensors")
+    flags = ["--task", "tiny", "--rewards.trained-model", tiny_reward_model, "--ppo.total-episodes", str(64 * 4)]
+    flags += ["--save-interval", "1", *QUIET]
+
+    def launch(out, output_dir, *more: str) -> list[str]:
+        os.makedirs(out, exist_ok=True)
+        return [*accelerate_two_processes(), script, str(out), *flags, "--output-dir", str(output_dir), *more]
+
+    run(launch(tmp_path / "straight", tmp_path / "straight_run"))
+    rank0, rank1 = (load_file(tmp_path / "straight" / f"rank{rank}.safetensors") for rank in (0, 1))
     initial_kl_coef = train_policy.defaults_for_task("tiny").rewards.kl_coef
     assert rank0["kl_coef"].item() != initial_kl_coef  # the adaptive controller moved ...
     assert rank0["kl_coef"].item() == rank1["kl_coef"].item()  # ... identically on both ranks
     assert rank0.keys() == rank1.keys()
     for name in rank0:
         assert torch.equal(rank0[name], rank1[name]), name
+
+    killed = tmp_path / "killed_run"
+    process = subprocess.Popen(
+        launch(tmp_path / "killed", killed),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    deadline = time.time() + 300
+    while time.time() < deadline and process.poll() is None:
+        if (killed / "metrics.jsonl").exists() and any(m["step"] == 2 for m in read_metrics(killed / "metrics.jsonl")):
+            os.killpg(process.pid, signal.SIGKILL)  # the launcher and both ranks, after update 1's checkpoint
+            break
+        time.sleep(0.05)
+    process.wait(timeout=60)
+    assert process.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+
+    resumed = run(launch(tmp_path / "killed", killed, "--resume"))
+    assert "resumed after update" in resumed.stdout
+    for rank, straight in enumerate((rank0, rank1)):
+        after_resume = load_file(tmp_path / "killed" / f"rank{rank}.safetensors")
+        assert straight.keys() == after_resume.keys()
+        for name in straight:
+            assert torch.equal(straight[name], after_resume[name]), (rank, name)
+    assert [m["step"] for m in read_metrics(killed / "metrics.jsonl")] == [1, 2, 3, 4]
 
 
 @pytest.mark.slow

@@ -596,21 +596,21 @@ def test_the_tiny_preset_learns_on_vllm_servers_and_keeps_vllm_inside_the_run_fo
 
 @pytest.mark.slow
 @needs_vllm
-def test_a_sync_run_on_vllm_servers_keeps_its_rounds_and_resumes_on_a_vllm_server_loaded_with_the_checkpoint(
-    tmp_path,
-):
-    """In rounds of 2 steps, each on the weights its round began with (the sync schedule on vLLM's servers); the
-    checkpoint at step 4 ends a round, and the resumed run's server gets the weights of step 6 only."""
-    flags = ("--task", "tiny", "--engine", "vllm", "--mode", "sync", "--sync-steps", "2")
-    first = Launched(tmp_path / "run", *flags, "--steps", "4", "--save-interval", "2", cwd=tmp_path)
-    assert first.finish(timeout_s=600) == 0, first.output()
-    resumed = Launched(tmp_path / "run", *flags, "--steps", "6", "--save-interval", "2", "--resume", cwd=tmp_path)
+def test_a_sync_run_resumed_on_a_vllm_server_loaded_with_the_checkpoint_keeps_its_rounds(tmp_path):
+    """In rounds of 2 steps, each on the weights its round began with (the sync schedule on vLLM's servers). The run
+    begins on the home servers (`--engine` may change on a resume; a vLLM server's start is the slow part): the
+    checkpoint at step 4 ends a round, and the resumed run's vLLM server, loaded with it, gets the weights of step 6
+    between its two rounds and those of step 8 at the end."""
+    flags = ("--task", "tiny", "--mode", "sync", "--sync-steps", "2", "--save-interval", "2")
+    first = Launched(tmp_path / "run", *flags, "--steps", "4")
+    assert first.finish() == 0, first.output()
+    resumed = Launched(tmp_path / "run", *flags, "--engine", "vllm", "--steps", "8", "--resume", cwd=tmp_path)
     assert resumed.finish(timeout_s=600) == 0, resumed.output()
     rows = metrics(resumed.output_dir)
-    assert [r["step"] for r in rows] == list(range(1, 7))  # each step once
-    assert [(r["lag/min"], r["lag/max"]) for r in rows] == [((s - 1) % 2, (s - 1) % 2) for s in range(1, 7)]
+    assert [r["step"] for r in rows] == list(range(1, 9))  # each step once
+    assert [(r["lag/min"], r["lag/max"]) for r in rows] == [((s - 1) % 2, (s - 1) % 2) for s in range(1, 9)]
     (server,) = json.load(open(os.path.join(resumed.output_dir, "servers.json"))).values()
-    assert server["engine"] == "vllm" and server["model_version"] == 6 and server["weight_updates"] == 1
+    assert server["engine"] == "vllm" and server["model_version"] == 8 and server["weight_updates"] == 2
     with open(os.path.join(resumed.output_dir, "logs", "server-0.log")) as f:  # the second server: the checkpoint's
         assert re.findall(r"vllm_server serving (\S+) with vLLM", f.read())[-1].endswith("checkpoint/model")
     assert first.leftovers() == [] and resumed.leftovers() == []

@@ -544,8 +544,13 @@ joined.start()
 group = WeightGroup(init_method, 0, world_size, store=store)
 joined.join()
 request_json("POST", url + "/request_weight_update", {"version": version, "parameters": specs})
-if how == "stalls":  # alive, never broadcasting: the server gives up after the group's timeout
-    time.sleep(15)
+if how == "stalls":  # alive, never broadcasting, until the server gives up after the group's timeout
+    for _ in range(600):
+        if request_json("GET", url + "/health")["update_error"]:
+            break
+        time.sleep(0.1)
+    else:
+        os._exit(1)  # a minute on, the server still waits for this live sender
 os._exit(0)  # dies before broadcasting anything (and before a gloo teardown that can abort)
 """
 

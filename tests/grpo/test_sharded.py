@@ -108,10 +108,11 @@ def policy_state_bytes() -> int:
 
 
 @pytest.mark.slow
-def test_the_tiny_preset_learns_on_two_sharded_trainer_processes_and_resumes(tmp_path):
+def test_the_tiny_preset_learns_on_two_sharded_trainer_processes_and_resumes_until_one_dies(tmp_path):
     """The tiny preset's 100 steps with the trainer in two FSDP2 processes: it learns as the single-process trainer
     does (`test_grpo_launch.success_rise`), the server gets every step's weights (gathered from the shards), each
-    process holds half of the policy and its optimizer state, and the run resumes from its sharded checkpoint."""
+    process holds half of the policy and its optimizer state, and the run resumes from its sharded checkpoint. The
+    resumed run goes on until its second trainer process is killed: that ends the run, and every process with it."""
     run = Launched(tmp_path / "run", "--steps", "100", "--save-interval", "50", "--trainer-processes", "2")
     assert run.finish() == 0, run.output()
     rows = metrics(run.output_dir)
@@ -126,24 +127,17 @@ def test_the_tiny_preset_learns_on_two_sharded_trainer_processes_and_resumes(tmp
     assert run.leftovers() == []
 
     resumed = Launched(
-        tmp_path / "run", "--steps", "110", "--save-interval", "50", "--trainer-processes", "2", "--resume"
+        tmp_path / "run", "--steps", "100000", "--save-interval", "50", "--trainer-processes", "2", "--resume"
     )
-    assert resumed.finish() == 0, resumed.output()
-    rows = metrics(resumed.output_dir)
-    assert [r["step"] for r in rows] == list(range(1, 111))
-    assert sum(r["success/rate"] for r in rows[-10:]) / 10 > first + 0.1  # it went on from the trained weights
-    assert resumed.leftovers() == []
-
-
-@pytest.mark.slow
-def test_a_trainer_process_that_dies_ends_the_run_and_every_process(tmp_path):
-    run = Launched(tmp_path / "run", "--steps", "100000", "--trainer-processes", "2")
-    run.watch_until(lambda: len(metrics(run.output_dir)) >= 3)
-    second = int(re.search(r"trainer-1 \(pid (\d+)\)", run.output(tail=None))[1])
+    resumed.watch_until(lambda: len(metrics(resumed.output_dir)) >= 110)
+    second = int(re.search(r"trainer-1 \(pid (\d+)\)", resumed.output(tail=None))[1])
     os.kill(second, signal.SIGKILL)
-    assert run.finish(timeout_s=120) == 1
-    assert "error: the trainer-1 exited with status -9" in run.output()
-    assert run.leftovers() == []
+    assert resumed.finish(timeout_s=120) == 1
+    assert "error: the trainer-1 exited with status -9" in resumed.output()
+    rows = metrics(resumed.output_dir)
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))  # each step once, from 101 on
+    assert sum(r["success/rate"] for r in rows[100:110]) / 10 > first + 0.1  # it went on from the trained weights
+    assert resumed.leftovers() == []
 
 
 def test_the_trainer_processes_get_the_environment_of_the_fsdp2_config():

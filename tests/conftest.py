@@ -1,7 +1,9 @@
 """Every test runs offline, with caches and logs in a temporary folder; a real redis-server for the stream tests."""
 
+import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -80,6 +82,62 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def command_line(pid: int) -> str:
+    """The process's command line from /proc ("" once it is gone, or while it exits)."""
+    try:
+        with open(f"/proc/{pid}/cmdline") as f:
+            return f.read().replace("\0", " ")
+    except OSError:
+        return ""
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """Every live process below `pid`, with its command line (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError):
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    found, todo = {}, list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        found[child] = command_line(child)
+        todo += children.get(child, [])
+    return found
+
+
+def alive(pids) -> list[int]:
+    living = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    living.append(pid)
+        except OSError:
+            pass
+    return living
+
+
+def kill_with_descendants(process: subprocess.Popen, timeout_s: float = 60) -> None:
+    """SIGKILL a launcher and every process below it, as a crash would, and wait until none of them runs: the ranks of
+    `accelerate launch` run in sessions of their own (torch's elastic agent starts them so), out of reach of a signal
+    to the launcher's process group, and would otherwise go on to the end of the run."""
+    pids = [process.pid, *descendants(process.pid)]
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    process.wait(timeout=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while alive(pids):
+        assert time.monotonic() < deadline, f"still running after SIGKILL: {alive(pids)}"
+        time.sleep(0.05)
 
 
 def accelerate_two_processes(config_file: str | None = None) -> tuple[str, ...]:

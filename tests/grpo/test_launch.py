@@ -19,7 +19,14 @@ from lm_human_preference_details.assets import tiny_math_prompt
 from lm_human_preference_details.grpo.client import request_json
 from lm_human_preference_details.grpo.serving import vllm_env
 from lm_human_preference_details.tracking import read_metrics
-from tests.conftest import redis_client, save_tiny_math_with_chat_template, with_stream
+from tests.conftest import (
+    alive,
+    command_line,
+    descendants,
+    redis_client,
+    save_tiny_math_with_chat_template,
+    with_stream,
+)
 from tests.grpo.args import grpo_args
 
 LAUNCH = [
@@ -29,47 +36,6 @@ LAUNCH = [
     "--wandb-mode",
     "disabled",
 ]  # --task tiny is the default
-
-
-def command_line(pid: int) -> str:
-    """The process's command line from /proc ("" once it is gone, or while it exits)."""
-    try:
-        with open(f"/proc/{pid}/cmdline") as f:
-            return f.read().replace("\0", " ")
-    except OSError:
-        return ""
-
-
-def descendants(pid: int) -> dict[int, str]:
-    """Every live process below `pid`, with its command line (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError):
-            continue
-        children.setdefault(parent, []).append(int(entry))
-    found, todo = {}, list(children.get(pid, []))
-    while todo:
-        child = todo.pop()
-        found[child] = command_line(child)
-        todo += children.get(child, [])
-    return found
-
-
-def alive(pids) -> list[int]:
-    living = []
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
-                    living.append(pid)
-        except OSError:
-            pass
-    return living
 
 
 def serving(output_dir) -> dict[int, int]:

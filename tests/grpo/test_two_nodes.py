@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from tests.conftest import REPO, free_port, with_stream
-from tests.grpo.test_launch import Launched, alive, descendants, metrics, success_rise
+from tests.conftest import REPO, alive, descendants, free_port, with_stream
+from tests.grpo.test_launch import Launched, metrics, no_launcher_left_behind, success_rise  # noqa: F401
 
 pytestmark = pytest.mark.slow
 

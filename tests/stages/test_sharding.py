@@ -7,6 +7,7 @@ that transformers loads, and resume a killed run to the same weights.
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from lm_human_preference_details.assets import resolve_model_path
 from lm_human_preference_details.cli import UserError
 from lm_human_preference_details.models import RewardModel
 from lm_human_preference_details.tracking import read_metrics
-from tests.conftest import REPO, accelerate_two_processes
+from tests.conftest import REPO, accelerate_two_processes, kill_with_descendants
 
 CONFIGS = os.path.join(REPO, "configs", "accelerate")
 ENGINES = ["fsdp2", "zero2", "zero3"]
@@ -65,9 +66,10 @@ def launch(engine: str, module: str, *args) -> list[str]:
     return [*accelerate_two_processes(config), "-m", f"lm_human_preference_details.{module}", *map(str, args), *QUIET]
 
 
-def run(cmd) -> None:
+def run(cmd) -> subprocess.CompletedProcess:
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
+    return result
 
 
 def assert_same_metrics(expected_path, actual_path) -> None:
@@ -171,19 +173,22 @@ def test_a_killed_run_under_the_engine_resumes_to_the_same_weights(engine_run, t
         "2",
     )
     process = subprocess.Popen(
-        launch(engine, "train_policy", *args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+        launch(engine, "train_policy", *args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.time() + 300
     while time.time() < deadline and process.poll() is None:
         if metrics.exists() and any(m["step"] == 3 for m in read_metrics(metrics)):
-            os.killpg(process.pid, signal.SIGKILL)  # the launcher and both ranks; the last checkpoint is update 2's
+            kill_with_descendants(process)  # the launcher and both ranks; the last checkpoint is update 2's
             break
         time.sleep(0.05)
     process.wait(timeout=60)
     assert process.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    logged = [m["step"] for m in read_metrics(metrics)]
+    assert logged[-1] < 10, logged  # the ranks died too, before the end
 
-    run(launch(engine, "train_policy", *args, "--resume"))
+    resumed = run(launch(engine, "train_policy", *args, "--resume"))
+    assert re.search(r"^resumed after update [2468]$", resumed.stdout, re.MULTILINE), resumed.stdout[-2000:]
     assert_same_tensors(straight / "policy" / "model.safetensors", tmp_path / "policy" / "model.safetensors")
     assert [m["step"] for m in read_metrics(metrics)] == list(range(1, 11))
     saved = torch.load(tmp_path / "checkpoint" / "state.pt", weights_only=False)

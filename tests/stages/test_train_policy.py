@@ -1,6 +1,7 @@
 """Stage 2 end to end, through the real command line and real processes, on the offline `tiny` preset."""
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -15,7 +16,7 @@ from lm_human_preference_details import sharding, train_policy
 from lm_human_preference_details.models import PolicyAndValue, RewardModel, load_causal_lm
 from lm_human_preference_details.text import load_tokenizer
 from lm_human_preference_details.tracking import read_metrics
-from tests.conftest import accelerate_two_processes
+from tests.conftest import accelerate_two_processes, kill_with_descendants
 
 QUIET = ("--wandb-mode", "disabled")
 
@@ -85,22 +86,21 @@ def test_two_processes_keep_weights_and_kl_coef_identical(tmp_path, tiny_reward_
 
     killed = tmp_path / "killed_run"
     process = subprocess.Popen(
-        launch(tmp_path / "killed", killed),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
+        launch(tmp_path / "killed", killed), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     deadline = time.time() + 300
     while time.time() < deadline and process.poll() is None:
         if (killed / "metrics.jsonl").exists() and any(m["step"] == 2 for m in read_metrics(killed / "metrics.jsonl")):
-            os.killpg(process.pid, signal.SIGKILL)  # the launcher and both ranks, after update 1's checkpoint
+            kill_with_descendants(process)  # the launcher and both ranks, after update 1's checkpoint
             break
         time.sleep(0.05)
     process.wait(timeout=60)
     assert process.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    logged = [m["step"] for m in read_metrics(killed / "metrics.jsonl")]
+    assert logged[-1] < 4, logged  # the ranks died too, before the end
 
     resumed = run(launch(tmp_path / "killed", killed, "--resume"))
-    assert "resumed after update" in resumed.stdout
+    assert re.search(r"^resumed after update [123]$", resumed.stdout, re.MULTILINE), resumed.stdout[-2000:]
     for rank, straight in enumerate((rank0, rank1)):
         after_resume = load_file(tmp_path / "killed" / f"rank{rank}.safetensors")
         assert straight.keys() == after_resume.keys()

@@ -90,7 +90,7 @@ def time_generation_limit(args: Args, task: str) -> dict:
     """The generation table's limit: vLLM's offline `LLM.generate` (benchmarks/vllm_generate.py, in the vLLM
     environment) with the server flags the launcher gives vLLM's server, of the same warm-up and timed prompts as
     `time_generation`'s requests, all at once."""
-    from lm_human_preference_details.grpo.launch import ServerEngine, server_flags
+    from lm_human_preference_details.grpo.server_processes import ServerEngine, server_flags
     from lm_human_preference_details.grpo.serving import vllm_env
 
     settings = generation_settings(task)

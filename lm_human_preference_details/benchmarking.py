@@ -129,7 +129,7 @@ class SteadyCpu(threading.Thread):
 def served(settings, engine: Literal["home", "vllm"], folder: str, device: Device) -> Iterator[str]:
     """A server of `engine` for `settings` (`GRPOArgs`), started as the launcher starts one (`ServerEngine`, with
     `server_flags`), its log and vLLM's caches in `folder`: its URL, until the block ends."""
-    from lm_human_preference_details.grpo.launch import ServerEngine, server_flags
+    from lm_human_preference_details.grpo.server_processes import ServerEngine, server_flags
 
     starter = ServerEngine(engine, folder)
     flags = server_flags(settings, starter.model_for_servers(settings.task.model), version=0, i=0)

@@ -260,7 +260,11 @@ def reward_model_and_resume(args: Args, accelerator) -> tuple[str, bool]:
             )
         )
     if not trained[0]:
-        return train_reward.train(reward_args, accelerator), resume_from_checkpoint
+        path = train_reward.train(reward_args, accelerator)
+        # stage 1's model and engine leave the accelerator: its checkpoints (accelerate's `save_state` under
+        # DeepSpeed) then hold stage 2's models in the places a resumed run, which skips stage 1, has them
+        accelerator.free_memory()
+        return path, resume_from_checkpoint
     if not resume_from_checkpoint:  # killed after stage 1, before stage 2's first checkpoint
         if logs := earlier_logs(args.output_dir):  # logged by a stage 2 whose checkpoint is gone: kept, not restarted
             raise cli.UserError(

@@ -118,9 +118,7 @@ def main_with_user_errors(main: Callable[[], None]) -> Callable[[], None]:
     """Run `main`; a UserError ends the process with `error: ...` on one line and exit status 2.
 
     The process group of a multi-process run is destroyed before the interpreter exits: left to the
-    interpreter's teardown, gloo can abort a finished run ("terminate called without an active exception"). A
-    rank of several that finished then ends without that teardown (`lifetime.exit_now`): the threads of the
-    engines' own groups (DeepSpeed's, FSDP2's) can abort it too, seen in CI now and then.
+    interpreter's teardown, gloo can abort a finished run ("terminate called without an active exception").
     """
 
     @functools.wraps(main)
@@ -137,9 +135,5 @@ def main_with_user_errors(main: Callable[[], None]) -> Callable[[], None]:
             torch = sys.modules.get("torch")  # a process that never imported torch has no group (nor imports it now)
             if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
                 torch.distributed.destroy_process_group()
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            from lm_human_preference_details.grpo.lifetime import exit_now  # the standard library only
-
-            exit_now(0)
 
     return wrapped

@@ -128,7 +128,7 @@ class Run:
                 version,
                 server.index,
                 threads=nodes.server_threads(self.args, the_map),
-                tensor_parallel=len(server.devices) if not the_map.colocated else 1,
+                tensor_parallel=len(server.devices),
             )
             if self.engine.name == "vllm" and the_map.device == "cuda" and not the_map.colocated:
                 flags += ["--gpu-memory-utilization", str(VLLM_OWN_GPU_MEMORY)]  # no trainer shares its GPUs

@@ -12,6 +12,7 @@ holds it, the others connect. Through it the launchers
 Every value in the store is a typed record with a schema version (`NodeHello`, `RunStart`) or a line of text.
 """
 
+import contextlib
 import datetime
 import json
 import logging
@@ -170,13 +171,13 @@ class Rendezvous:
         """Whether the store holds `key`; NodeLost naming the failure a node posted, or node 0 once its store is
         gone."""
         try:
-            if self.store.check(["failed"]):
-                raise NodeLost(self.store.get("failed").decode())
-            return self.store.check([key])
+            failed = self.store.get("failed").decode() if self.store.check(["failed"]) else None
+            present = self.store.check([key])
         except RuntimeError as error:
-            if isinstance(error, NodeLost):
-                raise
             raise NodeLost(self._node0_gone(error)) from None
+        if failed is not None:
+            raise NodeLost(failed)
+        return present
 
     def _node0_gone(self, error: Exception) -> str:
         return f"node 0 ({self.roles.get(0, '')}) is gone: its rendezvous at {self.where} stopped answering ({error})"
@@ -254,16 +255,14 @@ class Rendezvous:
 
     def fail(self, line: str) -> None:
         """Tell every node that the run failed, and why (first one wins); best effort: the store may be gone."""
-        try:
+        with contextlib.suppress(RuntimeError):
             self.store.compare_set("failed", "", line)
-        except RuntimeError:
-            pass
 
     def part(self, ok: bool) -> None:
         """The end: node 0 says the run is over (`ok`) and waits up to `PARTING_S` for every node to have heard
         it before its store goes; the others say they heard it."""
         self._stop.set()
-        try:
+        with contextlib.suppress(RuntimeError):  # the store may be gone: nothing left to tell
             if self.node_rank != 0:
                 self.store.set(f"parted/{self.node_rank}", "1")
                 return
@@ -273,5 +272,3 @@ class Rendezvous:
             keys = [f"parted/{rank}" for rank in range(1, self.nnodes)]
             while not all(self.store.check([key]) for key in keys) and time.monotonic() < deadline:
                 time.sleep(0.1)
-        except RuntimeError:
-            pass

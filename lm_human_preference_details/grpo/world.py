@@ -230,6 +230,11 @@ class TrainerProcess:
     device: int
 
 
+def numbered(noun: str, numbers: list[int]) -> str:
+    """`noun` with its numbers, plural for several: `server 3`, `trainer ranks 0-7`."""
+    return f"{noun}{'s' if len(numbers) > 1 else ''} {span(numbers)}"
+
+
 def span(numbers: Iterable[int]) -> str:
     """Distinct numbers as sorted runs: (5, 0, 1, 2) -> "0-2,5"."""
     runs: list[list[int]] = []
@@ -264,9 +269,9 @@ class WorldMap:
         """What `node` runs, in words (`servers 0-3`, `trainer ranks 0-7, actor, rendezvous`): the lines that name a
         lost node say it."""
         servers, trainers = self.servers_on(node), self.trainers_on(node)
-        roles = [f"server{'s' if len(servers) > 1 else ''} {span(s.index for s in servers)}"] if servers else []
+        roles = [numbered("server", [s.index for s in servers])] if servers else []
         if trainers:
-            roles.append(f"trainer rank{'s' if len(trainers) > 1 else ''} {span(t.rank for t in trainers)}")
+            roles.append(numbered("trainer rank", [t.rank for t in trainers]))
         if node == self.actor_node:
             roles.append("actor")
         if node == 0:
@@ -296,8 +301,7 @@ class WorldMap:
             for server in self.servers_on(node):
                 rows.append((str(node), span(server.devices), f"server {server.index}", urls.get(server.index, "-")))
             if trainers := self.trainers_on(node):
-                ranks = span(trainer.rank for trainer in trainers)
-                role = f"trainer rank{'s' if len(trainers) > 1 else ''} {ranks}"
+                role = numbered("trainer rank", [trainer.rank for trainer in trainers])
                 rows.append((str(node), span(trainer.device for trainer in trainers), role, "-"))
         widths = [max(len(row[column]) for row in rows) for column in range(3)]
         lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[3] for row in rows]

@@ -114,6 +114,17 @@ def quiet_transformers() -> None:
         sys.modules["huggingface_hub"].utils.disable_progress_bars()
 
 
+def exit_finished_rank() -> None:
+    """End this process now if it is one rank of several (WORLD_SIZE > 1), without the interpreter's teardown; a
+    stage script calls it once `main` has returned. `main_with_user_errors` destroyed the process group, but the
+    sharding engines' own threads (FSDP2's, DeepSpeed's) can still abort the teardown of a finished run ("terminate
+    called without an active exception"), as GRPO's processes avoid with the same `exit_now`."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from lm_human_preference_details.grpo.lifetime import exit_now  # the standard library only
+
+        exit_now(0)
+
+
 def main_with_user_errors(main: Callable[[], None]) -> Callable[[], None]:
     """Run `main`; a UserError ends the process with `error: ...` on one line and exit status 2.
 

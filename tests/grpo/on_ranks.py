@@ -64,3 +64,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    cli.exit_finished_rank()

@@ -31,6 +31,11 @@ ServerDtype = Literal["auto", "float32", "bfloat16"]
 WeightBackend = Literal["gloo", "nccl"]
 """how weight updates travel (/init_process_group's `backend`; the launcher's `--weight-backend` says when each)"""
 
+WeightStaging = Literal["staged", "in_place"]
+"""how a server swaps a received update in (the servers' `--weight-staging`, the launcher's `--weight-staging`):
+`staged` readies the new weights beside the old ones and the pause only swaps them, `in_place` loads into the
+model's own tensors during the pause (a prepared copy less of memory, on engines that prepare one)"""
+
 
 @dataclass(frozen=True)
 class ParameterSpec:

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from lm_human_preference_details.grpo.client import ServerError, request_json
-from lm_human_preference_details.grpo.protocol import WIRE_DTYPES, ParameterSpec, WeightBackend
+from lm_human_preference_details.grpo.protocol import WIRE_DTYPES, ParameterSpec, WeightBackend, WeightStaging
 
 log = logging.getLogger(__name__)
 
@@ -186,15 +186,38 @@ def receive_tensors(
 
 
 def load_tensors(model: torch.nn.Module, specs: list[ParameterSpec], tensors: list[torch.Tensor]) -> None:
-    """Copy received tensors into the model's parameters, all at once (between two decode steps). On a GPU it
-    returns once the copies are done (so the pause a server reports includes them): the received buffers may
-    be reused by the next transfer after that."""
+    """Copy received tensors into the model's parameters, all at once (between two decode steps): `in_place`
+    staging. On a GPU it returns once the copies are done (so the pause a server reports includes them): the
+    received buffers may be reused by the next transfer after that."""
     parameters = dict(model.named_parameters())
     with torch.no_grad():
         for spec, tensor in zip(specs, tensors):
             parameters[spec.name].copy_(tensor)
     if tensors and tensors[0].is_cuda:
         torch.cuda.current_stream(tensors[0].device).synchronize()
+
+
+def install_tensors(
+    model: torch.nn.Module, specs: list[ParameterSpec], tensors: list[torch.Tensor], staging: WeightStaging
+) -> None:
+    """Put received tensors in the model as `staging` says (`swap_tensors` or `load_tensors`)."""
+    (swap_tensors if staging == "staged" else load_tensors)(model, specs, tensors)
+
+
+def swap_tensors(model: torch.nn.Module, specs: list[ParameterSpec], tensors: list[torch.Tensor]) -> None:
+    """Make received tensors the model's parameters' data, all at once (between two decode steps): `staged`
+    staging, whose pause is a pointer swap per parameter, however large the model. The parameter objects stay (a
+    tied head is the embedding's object, so it follows); the old data is freed once nothing holds it, so the
+    memory is that of `load_tensors`: the received buffers, beside the weights, during the receive. On a GPU the
+    buffers come from `transfer_stream`: they are marked in use by the computing stream, so that freeing them
+    at a later swap does not hand their memory to a transfer while a decode step still reads it."""
+    parameters = dict(model.named_parameters())
+    computing = torch.cuda.current_stream(tensors[0].device) if tensors and tensors[0].is_cuda else None
+    with torch.no_grad():
+        for spec, tensor in zip(specs, tensors):
+            if computing is not None:
+                tensor.record_stream(computing)
+            parameters[spec.name].data = tensor
 
 
 class WeightSender:

@@ -18,6 +18,7 @@ from lm_human_preference_details.grpo.weights import (
     digest,
     flatten,
     group_size,
+    install_tensors,
     parameter_specs,
     unflatten,
 )
@@ -59,6 +60,28 @@ def test_flatten_then_unflatten_gives_back_every_tensor(dtype):
     assert [f.numel() for f in flat] == [17, 15] and all(f.dtype == (dtype or torch.float32) for f in flat)
     for tensor, back in zip(tensors, unflatten(flat, specs, plan)):
         assert torch.equal(back, tensor.to(dtype or tensor.dtype))
+
+
+@pytest.mark.parametrize("staging", ["staged", "in_place"])
+def test_installed_tensors_serve_as_a_model_loaded_with_them_tied_head_included(model_dir, staging):
+    """`staged` swaps each parameter's data (the objects stay, so the tied head follows), `in_place` copies."""
+    served, trainer = load_causal_lm(model_dir), load_causal_lm(model_dir)
+    assert served.lm_head.weight is served.get_input_embeddings().weight  # tied: one parameter, sent once
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    parameters_before = dict(served.named_parameters())
+    specs = parameter_specs(trainer)
+    plan = buckets(specs, 4096)
+    received = unflatten(flatten([p.detach() for p in trainer.parameters()], plan), specs, plan)
+    install_tensors(served, specs, received, staging)
+    assert dict(served.named_parameters()) == parameters_before  # the same objects: the engine's model is intact
+    assert digest(served) == digest(trainer)
+    ids = torch.tensor([[3, 10, 4, 13, 7]])
+    with torch.no_grad():
+        assert torch.equal(served(ids).logits, trainer(ids).logits)
+    shares_memory = served.lm_head.weight.data_ptr() == received[0].data_ptr()
+    assert shares_memory == (staging == "staged")  # a swap, not a copy (and the head is the embedding's)
 
 
 def test_a_failure_in_the_sender_thread_is_raised_by_wait_and_push_not_a_hang(monkeypatch):

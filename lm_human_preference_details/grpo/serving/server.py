@@ -19,7 +19,8 @@ Endpoints (docs/DESIGN.md, "The GRPO pipeline contract"; its constants and types
   keep serving, as when the broadcast does not all arrive); on 200 a receiver thread takes the broadcast
   (one per tensor, or with bucket_bytes > 0 one per flat bucket of consecutive tensors, `weights.buckets`)
   into fresh buffers while decoding goes on, then the engine swaps them all in between two decode steps:
-  decoding pauses only for the copy, and sequences in flight keep their KV cache.
+  decoding pauses only for a pointer swap per parameter (`--weight-staging in_place`: for a copy of each),
+  and sequences in flight keep their KV cache.
 - `GET /health` (`?wait_for_version=N` long-polls until version N serves), `GET /metrics` (JSON counters:
   tokens, requests, updates, pause per update), `GET /weights_digest` (SHA-256 of each parameter: is this
   exactly the trainer's model?).
@@ -45,7 +46,7 @@ from aiohttp import web
 
 from lm_human_preference_details.cli import quiet_transformers
 from lm_human_preference_details.grpo.lifetime import exit_now, exit_with_parent
-from lm_human_preference_details.grpo.protocol import ParameterSpec, ServerDtype
+from lm_human_preference_details.grpo.protocol import ParameterSpec, ServerDtype, WeightStaging
 from lm_human_preference_details.grpo.serving.control import LOOPBACK_ACCESS, ControlAccess, RendezvousTimeout
 from lm_human_preference_details.grpo.serving.engine import Engine, Generation, GenerationRequest
 from lm_human_preference_details.grpo.serving.http_contract import RUNNER_OPTIONS, ContractServer, first_line, listen
@@ -65,12 +66,13 @@ class InferenceServer(ContractServer):
         engine: Engine,
         model_name: str,
         access: ControlAccess = LOOPBACK_ACCESS,
+        staging: WeightStaging = "staged",
     ):
         from lm_human_preference_details.grpo.weights import DTYPE_NAMES, parameter_specs
 
         dtype = DTYPE_NAMES[next(model.parameters()).dtype]
         super().__init__(tokenizer, model_name, dtype, parameter_specs(model), engine.version, access)
-        self.model, self.engine = model, engine
+        self.model, self.engine, self.staging = model, engine, staging
         self.weight_group = None
         # one receiver thread, so updates are received and swapped in the order announced (the
         # broadcasts are issued in that order); a daemon, so a stuck receive does not hold up shutdown
@@ -123,7 +125,7 @@ class InferenceServer(ContractServer):
             raise BadRequest(f"cannot join the process group: {first_line(error)}") from None
 
     def start_update(self, version: int, specs: list[ParameterSpec], bucket_bytes: int) -> None:
-        from lm_human_preference_details.grpo.weights import load_tensors, receive_tensors
+        from lm_human_preference_details.grpo.weights import install_tensors, receive_tensors
 
         loop = asyncio.get_running_loop()
         device = next(self.model.parameters()).device
@@ -142,7 +144,7 @@ class InferenceServer(ContractServer):
                 return
 
             def apply_weights() -> int:
-                load_tensors(self.model, specs, tensors)
+                install_tensors(self.model, specs, tensors, self.staging)
                 return version
 
             pause = self.engine.schedule_update(apply_weights)
@@ -270,6 +272,9 @@ class Args:
     rendezvous_allow: list[str] = dataclasses.field(default_factory=list)
     """addresses or networks (10.0.0.0/8) that /init_process_group may name (default: loopback when --host is
     loopback, else any)"""
+    weight_staging: WeightStaging = "staged"
+    """`staged`: the paused decoder only swaps each parameter's data for the received tensor; `in_place`: it copies
+    the received tensors into the model (the pause grows with the model; the memory is the same on this engine)"""
 
 
 def load_for_inference(name_or_path: str, device: str, dtype: ServerDtype = "auto"):
@@ -305,7 +310,7 @@ def main() -> None:
     engine = Engine(model, args.max_batch_size, seed=args.seed, vocab_size=len(tokenizer))
     engine.version = args.version
     engine.start()
-    server = InferenceServer(model, tokenizer, engine, args.model, access)
+    server = InferenceServer(model, tokenizer, engine, args.model, access, args.weight_staging)
     listening, url = listen(args.host, args.port, args.port_file)
     log.info("serving %s on %s (pid %d)", args.model, url, os.getpid())
     web.run_app(server.app(), sock=listening, print=None, access_log=None, **RUNNER_OPTIONS)  # until SIGTERM/SIGINT

@@ -163,26 +163,59 @@ def on_stream(stream: "torch.cuda.Stream | None"):
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
-def receive_tensors(
-    group: WeightGroup, specs: list[ParameterSpec], device, bucket_bytes: int = 0
+class BufferPool:
+    """Flat buffers kept between updates, to be written again: on a CPU a fresh buffer's pages are faulted in and
+    zeroed by the kernel as they are first written, which costs more than the copy or the receive into them (twice
+    as long for SmolLM2's 513 MiB; benchmarks/README.md). A buffer is taken again only for a bucket of its very
+    size and dtype, and nothing else may hold one that was given back. On a GPU the caching allocator already
+    reuses memory, so the pool keeps nothing there. Safe to use from several threads."""
+
+    def __init__(self):
+        self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
+        """A flat buffer of `numel` elements of `dtype` on `device`, given back earlier if one is free."""
+        with self._lock:
+            free = self._free.get((numel, dtype))
+            if free:
+                return free.pop()
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def give(self, buffers: Iterable[torch.Tensor]) -> None:
+        """Keep `buffers` (CPU ones) for a later `take`; the caller holds none of them any more."""
+        with self._lock:
+            for buffer in buffers:
+                if buffer.device.type == "cpu":
+                    self._free.setdefault((buffer.numel(), buffer.dtype), []).append(buffer)
+
+
+def receive_buckets(
+    group: WeightGroup, specs: list[ParameterSpec], device, bucket_bytes: int = 0, pool: BufferPool | None = None
 ) -> list[torch.Tensor]:
-    """Server side: one broadcast per bucket (`buckets`; a bucket of one tensor when bucket_bytes is 0),
-    each into a fresh flat buffer (the model is not touched); returns one tensor per spec once every
-    broadcast has arrived (on a GPU: on `transfer_stream`, waited for by the host)."""
+    """Server side: one broadcast per bucket (`buckets`; a bucket of one tensor when bucket_bytes is 0), each into
+    a flat buffer of its own (from `pool` if given; the model is not touched); returns the flat buffers once every
+    broadcast has arrived (on a GPU: on `transfer_stream`, waited for by the host). `unflatten` gives the tensors."""
     plan = buckets(specs, bucket_bytes)
     stream = transfer_stream(torch.device(device))
+    pool = pool or BufferPool()  # an empty one: fresh buffers
     with on_stream(stream):
         flat = [
-            torch.empty(
-                sum(math.prod(specs[i].shape) for i in bucket), dtype=DTYPES[specs[bucket[0]].dtype], device=device
-            )
+            pool.take(sum(math.prod(specs[i].shape) for i in bucket), DTYPES[specs[bucket[0]].dtype], device)
             for bucket in plan
         ]
         for work in [group.broadcast(buffer) for buffer in flat]:
             work.wait()
     if stream is not None:
         stream.synchronize()
-    return unflatten(flat, specs, plan)
+    return flat
+
+
+def receive_tensors(
+    group: WeightGroup, specs: list[ParameterSpec], device, bucket_bytes: int = 0
+) -> list[torch.Tensor]:
+    """`receive_buckets` into fresh buffers; one tensor per spec (views of them)."""
+    return unflatten(receive_buckets(group, specs, device, bucket_bytes), specs, buckets(specs, bucket_bytes))
 
 
 def load_tensors(model: torch.nn.Module, specs: list[ParameterSpec], tensors: list[torch.Tensor]) -> None:

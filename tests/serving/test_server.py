@@ -13,6 +13,7 @@ import torch
 from lm_human_preference_details.grpo.client import ServerError, ServerProcess, request_json
 from lm_human_preference_details.grpo.protocol import ParameterSpec
 from lm_human_preference_details.grpo.weights import (
+    BufferPool,
     WeightSender,
     buckets,
     digest,
@@ -60,6 +61,15 @@ def test_flatten_then_unflatten_gives_back_every_tensor(dtype):
     assert [f.numel() for f in flat] == [17, 15] and all(f.dtype == (dtype or torch.float32) for f in flat)
     for tensor, back in zip(tensors, unflatten(flat, specs, plan)):
         assert torch.equal(back, tensor.to(dtype or tensor.dtype))
+
+
+def test_a_buffer_given_back_is_taken_again_only_for_its_size_and_dtype():
+    pool = BufferPool()
+    given = pool.take(10, torch.float32, "cpu")
+    pool.give([given])
+    assert pool.take(10, torch.bfloat16, "cpu") is not given and pool.take(11, torch.float32, "cpu") is not given
+    assert pool.take(10, torch.float32, "cpu") is given
+    assert pool.take(10, torch.float32, "cpu") is not given  # taken: not handed out twice
 
 
 @pytest.mark.parametrize("staging", ["staged", "in_place"])

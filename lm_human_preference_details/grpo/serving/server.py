@@ -68,17 +68,21 @@ class InferenceServer(ContractServer):
         access: ControlAccess = LOOPBACK_ACCESS,
         staging: WeightStaging = "staged",
     ):
-        from lm_human_preference_details.grpo.weights import DTYPE_NAMES, parameter_specs
+        from lm_human_preference_details.grpo.weights import DTYPE_NAMES, BufferPool, parameter_specs
 
         dtype = DTYPE_NAMES[next(model.parameters()).dtype]
         super().__init__(tokenizer, model_name, dtype, parameter_specs(model), engine.version, access)
         self.model, self.engine, self.staging = model, engine, staging
         self.weight_group = None
+        # the flat buffers that the parameters' data are views of (staged, after an update), and those free to
+        # receive the next update into: on a CPU, writing fresh memory costs more than the transfer
+        self.serving_buffers: list[torch.Tensor] = []
+        self.buffers = BufferPool()
         # one receiver thread, so updates are received and swapped in the order announced (the
         # broadcasts are issued in that order); a daemon, so a stuck receive does not hold up shutdown
         self.receives: queue.Queue = queue.Queue()
         threading.Thread(target=_run_forever, args=(self.receives,), name="weights-receiver", daemon=True).start()
-        self.last_pause_s = 0.0
+        self.last_pause_s = self.last_receive_s = 0.0
 
     @property
     def version(self) -> int:
@@ -125,7 +129,7 @@ class InferenceServer(ContractServer):
             raise BadRequest(f"cannot join the process group: {first_line(error)}") from None
 
     def start_update(self, version: int, specs: list[ParameterSpec], bucket_bytes: int) -> None:
-        from lm_human_preference_details.grpo.weights import install_tensors, receive_tensors
+        from lm_human_preference_details.grpo.weights import buckets, install_tensors, receive_buckets, unflatten
 
         loop = asyncio.get_running_loop()
         device = next(self.model.parameters()).device
@@ -135,16 +139,24 @@ class InferenceServer(ContractServer):
             if self.weight_group is not group:
                 self.roll_back(version, "an earlier update broke its weight group")
                 return
+            start = time.perf_counter()
             try:  # into buffers of their own: the model is untouched until every tensor has arrived
-                tensors = receive_tensors(group, specs, device, bucket_bytes)
+                flat = receive_buckets(group, specs, device, bucket_bytes, self.buffers)
             except Exception as error:  # the sender died or never sent (the group's timeout): no later update of
                 if self.weight_group is group:  # this group can arrive either
                     self.weight_group = None
                 self.roll_back(version, f"receiving failed: {first_line(error)}")
                 return
+            self.last_receive_s = time.perf_counter() - start
+            tensors = unflatten(flat, specs, buckets(specs, bucket_bytes))
 
             def apply_weights() -> int:
                 install_tensors(self.model, specs, tensors, self.staging)
+                if self.staging == "staged":  # the received buffers serve now; those they replace are free
+                    retired, self.serving_buffers = self.serving_buffers, flat
+                else:
+                    retired = flat
+                self.buffers.give(retired)
                 return version
 
             pause = self.engine.schedule_update(apply_weights)
@@ -178,6 +190,7 @@ class InferenceServer(ContractServer):
             "pause_s_total": stats["pause_s_total"],
             "pause_s_last": self.last_pause_s,
             "pause_s_mean": stats["pause_s_total"] / updates if updates else 0.0,
+            "receive_s_last": self.last_receive_s,
             **self.engine.load(),
         }
 

@@ -556,10 +556,11 @@ os._exit(0)  # dies before broadcasting anything (and before a gloo teardown tha
 
 
 def check_a_failed_weight_update_rolls_back(url: str, model) -> None:
-    """A sender that dies, then one that stalls, after their update was accepted: the old weights keep serving,
-    /health says why, and a new group's update of `model` then lands."""
+    """A sender that dies, then one that stalls, after their update was accepted: the old weights keep serving (and
+    /weights_digest says so), /health says why, and a new group's update of `model` then lands."""
     specs = json.dumps([s.to_json() for s in parameter_specs(model)])
     version = request_json("GET", f"{url}/health")["model_version"]
+    serving = request_json("GET", f"{url}/weights_digest")
     for how in ("dies", "stalls"):
         subprocess.run([sys.executable, "-c", SENDER_THAT_FAILS, url, str(version + 1), specs, how], check=True)
         for _ in range(600):
@@ -570,6 +571,7 @@ def check_a_failed_weight_update_rolls_back(url: str, model) -> None:
         assert health["model_version"] == version and f"version {version + 1} were not loaded" in health["update_error"]
         status, reply = post_raw(f"{url}/v1/completions", b'{"prompt": "1+1=", "max_tokens": 2}')
         assert status == 200 and set(reply["choices"][0]["model_versions"]) == {version}
+        assert request_json("GET", f"{url}/weights_digest") == serving  # still what was loaded, group or none
     sender = WeightSender([url])
     sender.push(model, version + 1)
     assert sender.wait() == []

@@ -114,7 +114,7 @@ class WeightReceiver:
         except (dist.DistNetworkError, dist.DistStoreError) as error:  # vLLM's RPC passes on only the message
             raise TimeoutError(f"{_RENDEZVOUS_TIMED_OUT}: {first_line(error)}") from None
         self._grpo_receive = None
-        self._grpo_last: tuple[list[str], list] | None = None
+        self._grpo_last: tuple[list[str], list] | None = getattr(self, "_grpo_last", None)  # what serves still
 
     def grpo_start_receive(self, specs: list[dict], bucket_bytes: int) -> None:
         """Receive one update's broadcasts on a thread, into fresh buffers: generation goes on meanwhile."""
@@ -423,7 +423,7 @@ class VLLMInferenceServer(ContractServer):
     async def weights_digest(self) -> dict:
         await self.not_updating.wait()
         version = self.version
-        digests = agreed_digest(await self._rpc("grpo_digest")) if self.has_group else None
+        digests = agreed_digest(await self._rpc("grpo_digest"))  # an update's, kept after its group is dropped
         if digests is None:  # no update loaded yet: the model folder's weights, as served
             if self._disk_digest is None:
                 self._disk_digest = await asyncio.get_running_loop().run_in_executor(

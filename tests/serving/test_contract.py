@@ -40,10 +40,11 @@ EOS = 47  # tiny-math's
 class EngineServer:
     """The module's one server of `engine`; `start` again replaces it (never two at once: vLLM's take the cores)."""
 
-    def __init__(self, engine: str, folder, flags: tuple[str, ...] = ()):
-        """`flags`: more of the server's flags (`--tensor-parallel-size 2`)."""
+    def __init__(self, engine: str, folder, flags: tuple[str, ...] = (), env: dict[str, str] | None = None):
+        """`flags`: more of the server's flags (`--tensor-parallel-size 2`); `env`: more of the vLLM server's
+        environment."""
         self.engine, self.folder, self.started, self.process, self.url = engine, folder, 0, None, None
-        self.flags = flags
+        self.flags, self.env = flags, env or {}
 
     def start(self, model: str, version: int = 0) -> str:
         self.stop()
@@ -56,7 +57,8 @@ class EngineServer:
                 server = ServerProcess(flags, log)
             else:  # vLLM's caches and sockets in the test's folder
                 cache = ["--cache-dir", str(self.folder / f"vllm-cache-{self.started}")]
-                server = vllm_env.start_server(flags + cache, log, env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1"))
+                env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", **self.env)
+                server = vllm_env.start_server(flags + cache, log, env=env)
         self.process = server.process
         try:
             self.url = server.wait_until_serving(timeout_s=300)

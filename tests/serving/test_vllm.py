@@ -48,6 +48,12 @@ def test_server_command_without_the_environment_says_how_to_make_it(tmp_path, mo
 def test_an_update_is_received_once_every_worker_has_it_and_fails_once_one_failed():
     assert receive_status([("received", None), ("received", None)]) == ("received", None)
     assert receive_status([("received", None), ("receiving", None)]) == ("receiving", None)
+    assert receive_status([("prepared", None), ("preparing", None)]) == ("preparing", None)
+    assert receive_status([("prepared", None), ("prepared", None)]) == ("prepared", None)
+    assert receive_status([("prepared", None), ("failed", "preparing failed: out of memory")]) == (
+        "failed",
+        "preparing failed: out of memory",
+    )
     assert receive_status([("receiving", None), ("failed", "Connection closed by peer")]) == (
         "failed",
         "Connection closed by peer",

@@ -28,11 +28,17 @@ What is vLLM's and what is glue:
   size), with `grpo.weights.WeightGroup` itself (a TCPStore client, a PrefixStore "weights", ProcessGroupGloo: the
   trainer's side's exact counterpart), and receives the whole tensors with
   `grpo.weights.receive_tensors` (one broadcast per tensor, or per bucket of `bucket_bytes`, `weights.buckets`), on a
-  thread of the worker, into fresh buffers, while generation goes on. Then: `pause_generation(mode="keep")`, vLLM's
-  layer-wise reload (`initialize_layerwise_reload`, `model.load_weights`, `finalize_layerwise_reload`, then the
+  thread of the worker, into fresh buffers, while generation goes on. Loading them is vLLM's layer-wise reload
+  (`initialize_layerwise_reload`, `model.load_weights`, `finalize_layerwise_reload`, then the
   `process_weights_after_loading` of each VocabParallelEmbedding again: a tied `lm_head` keeps its old packed copy
-  otherwise; each layer's weight loader takes its worker's shard), the new version label, `resume_generation()`.
-  Sequences in flight keep their KV cache (PipelineRL).
+  otherwise; each layer's weight loader takes its worker's shard), which repacks every linear weight for vLLM's
+  kernels (oneDNN on the CPU): seconds for a 135M model. `--weight-staging staged` (the default) runs it on the same
+  thread, still while generation goes on, into a shadow of the model (`vllm_staging`: a second copy of the weights,
+  packed, for the server's lifetime), and the pause only swaps the shadow's tensors and packed handles in;
+  `in_place` runs it on the serving model inside the pause (no second copy: for when memory is short). Either way:
+  `pause_generation(mode="keep")`, the swap or the reload, the new version label, `resume_generation()`. Sequences
+  in flight keep their KV cache (PipelineRL). A failed receive or prepare leaves the serving weights untouched
+  (rolled back); a failure inside the pause leaves them unknown (the server says it is stale).
 - prefix caching: a sequence in flight holds its blocks, so `reset_prefix_cache()` fails while any is running.
   Every request therefore carries the weight version it was sent under as its `cache_salt`: one sent after an
   update never reuses a block computed by older weights; the cache is also reset whenever nothing is in flight.
@@ -115,59 +121,96 @@ class WeightReceiver:
             raise TimeoutError(f"{_RENDEZVOUS_TIMED_OUT}: {first_line(error)}") from None
         self._grpo_receive = None
         self._grpo_last: tuple[list[str], list] | None = getattr(self, "_grpo_last", None)  # what serves still
+        self._grpo_shadow = getattr(self, "_grpo_shadow", None)  # the model's (`vllm_staging`), by staged updates
+        self._drop_shadow()  # a group joined again after a failure: its prepare may never have been swapped in
 
-    def grpo_start_receive(self, specs: list[dict], bucket_bytes: int) -> None:
-        """Receive one update's broadcasts on a thread, into fresh buffers: generation goes on meanwhile."""
+    def grpo_start_receive(self, specs: list[dict], bucket_bytes: int, staging: str, version: int) -> None:
+        """Receive one update's broadcasts on a thread, into fresh buffers, and with `staging` "staged" load them
+        into the model's shadow (`vllm_staging.prepare`) on that thread too: generation goes on meanwhile."""
         from lm_human_preference_details.grpo.weights import ParameterSpec, receive_tensors
 
         if getattr(self, "_grpo_group", None) is None:
             raise RuntimeError("no weight group: grpo_init_group first")
-        if self._grpo_receive is not None and self._grpo_receive["status"] == "receiving":
+        if self._grpo_receive is not None and self._grpo_receive["status"] in ("receiving", "preparing"):
             raise RuntimeError("an update is being received already")
+        if self._grpo_receive is not None and self._grpo_receive["status"] == "prepared":
+            self._drop_shadow()  # prepared, never swapped in (another worker failed): its layers are not live's
         parsed = [ParameterSpec.from_json(s) for s in specs]
-        state = {"status": "receiving", "names": [s.name for s in parsed], "tensors": None, "error": None}
-        device = next(self.model_runner.get_model().parameters()).device
+        names = [s.name for s in parsed]
+        state = {"status": "receiving", "names": names, "tensors": None, "error": None, "receive_s": 0.0}
+        state["load_s"] = 0.0
+        model = self.model_runner.get_model()
+        device = next(model.parameters()).device
+        fail_prepare = os.environ.get(FAIL_PREPARE_ENV) == str(version)
 
         def receive() -> None:
+            start = time.perf_counter()
             try:
                 state["tensors"] = receive_tensors(self._grpo_group, parsed, device, bucket_bytes)
-                state["status"] = "received"
             except Exception as error:  # the group is broken: no later update can arrive either
-                state["error"] = first_line(error)
+                state["error"] = f"receiving failed: {first_line(error)}"
+                state["status"] = "failed"
+                return
+            state["receive_s"] = time.perf_counter() - start
+            if staging == "in_place":
+                state["status"] = "received"
+                return
+            state["status"] = "preparing"
+            from lm_human_preference_details.grpo.serving import vllm_staging
+
+            try:
+                if self._grpo_shadow is None:
+                    self._grpo_shadow = vllm_staging.shadow_of(model)
+                weights = _named(names, state["tensors"], fail_prepare)
+                state["load_s"] = vllm_staging.prepare(model, self._grpo_shadow, weights, self.vllm_config)
+                state["status"] = "prepared"
+            except Exception as error:  # the live model was not touched: the old weights keep serving
+                self._drop_shadow()  # half loaded
+                state["error"] = f"preparing failed: {first_line(error)}"
                 state["status"] = "failed"
 
         self._grpo_receive = state
         threading.Thread(target=receive, name="grpo-weights-receiver", daemon=True).start()
 
+    def _drop_shadow(self) -> None:
+        """The next staged update builds a new shadow."""
+        from lm_human_preference_details.grpo.serving import vllm_staging
+
+        if self._grpo_shadow is not None:
+            vllm_staging.discard(self._grpo_shadow)
+        self._grpo_shadow = None
+
     def grpo_receive_status(self) -> tuple[str, str | None]:
-        """("receiving" | "received" | "failed", the failure)."""
+        """("receiving" | "preparing" | "received" | "prepared" | "failed", the failure)."""
         state = self._grpo_receive
         return (state["status"], state["error"]) if state is not None else ("idle", None)
 
-    def grpo_load(self) -> float:
-        """Load the received tensors (generation is paused): vLLM's layer-wise reload, then the embeddings'
-        post-processing again (a tied lm_head's packed copy is the embedding's, made before the reload). Returns
-        the seconds it took."""
+    def grpo_load(self) -> dict[str, float]:
+        """Make the received update serve (generation is paused): swap the prepared shadow in ("prepared"), or
+        load the received tensors with vLLM's layer-wise reload ("received"). Returns its seconds: `receive_s`,
+        `load_s` (the reload's, inside the pause or before it) and `swap_s`."""
         import torch
         from vllm.config import set_current_vllm_config
-        from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        from lm_human_preference_details.grpo.serving import vllm_staging
 
         state = self._grpo_receive
-        if state is None or state["status"] != "received":
+        if state is None or state["status"] not in ("received", "prepared"):
             raise RuntimeError(f"nothing received to load ({state and state['status']})")
         start = time.perf_counter()
         model = self.model_runner.get_model()
-        with set_current_vllm_config(self.vllm_config), torch.no_grad():
-            initialize_layerwise_reload(model)
-            model.load_weights(zip(state["names"], state["tensors"]))
-            finalize_layerwise_reload(model, self.vllm_config.model_config)
-            for module in model.modules():
-                if isinstance(module, VocabParallelEmbedding):  # ParallelLMHead too
-                    module.quant_method.process_weights_after_loading(module)
+        swap_s = 0.0
+        if state["status"] == "prepared":
+            vllm_staging.swap(model, self._grpo_shadow)
+            swap_s = time.perf_counter() - start
+        else:
+            weights = zip(state["names"], state["tensors"])
+            with set_current_vllm_config(self.vllm_config), torch.no_grad():
+                vllm_staging.reload_layerwise(model, weights, self.vllm_config.model_config)
+            state["load_s"] = time.perf_counter() - start
         self._grpo_last = (state["names"], state["tensors"])  # for grpo_digest
         self._grpo_receive = None
-        return time.perf_counter() - start
+        return {"receive_s": state["receive_s"], "load_s": state["load_s"], "swap_s": swap_s}
 
     def grpo_digest(self) -> dict[str, str] | None:
         """SHA-256 of each tensor of the last update loaded (None before any)."""
@@ -175,6 +218,18 @@ class WeightReceiver:
         if last is None:
             return None
         return {name: _sha256(tensor) for name, tensor in zip(*last)}
+
+
+FAIL_PREPARE_ENV = "GRPO_VLLM_FAIL_PREPARE_VERSION"
+"""a test's: the staged prepare of this weight version fails halfway through loading (the live model untouched)"""
+
+
+def _named(names: list[str], tensors: list, fail_halfway: bool):
+    """(name, tensor) pairs for a model's `load_weights`; with `fail_halfway`, a RuntimeError after half of them."""
+    for i, pair in enumerate(zip(names, tensors)):
+        if fail_halfway and i == len(names) // 2:
+            raise RuntimeError(f"failing halfway, as {FAIL_PREPARE_ENV} asks")
+        yield pair
 
 
 def _parent_pid(pid: int) -> int | None:
@@ -233,12 +288,13 @@ class VLLMInferenceServer(ContractServer):
         dtype: str,
         version: int,
         access: ControlAccess,
+        staging: str = "staged",
     ):
         from lm_human_preference_details.grpo.weights import parameter_specs
 
         specs = parameter_specs(_meta_model(path), _torch_dtype(dtype))
         super().__init__(tokenizer, model_name, dtype, specs, version, access)
-        self.engine, self.stats, self.path = engine, stats, path
+        self.engine, self.stats, self.path, self.staging = engine, stats, path, staging
         self.weight_ranks = engine.vllm_config.parallel_config.world_size  # one rank per worker
         self.version = version
         model_config = engine.model_config
@@ -249,7 +305,7 @@ class VLLMInferenceServer(ContractServer):
         self.not_updating.set()
         self.weight_updates = 0
         self.pause_s_total = self.pause_s_last = 0.0
-        self.receive_s_last = self.load_s_last = 0.0
+        self.receive_s_last = self.load_s_last = self.swap_s_last = 0.0
         self._disk_digest: dict[str, str] | None = None
         self._updater = asyncio.ensure_future(self._apply_updates())
 
@@ -348,25 +404,23 @@ class VLLMInferenceServer(ContractServer):
                 )
 
     async def _apply_update(self, version: int, specs, bucket_bytes: int) -> None:
-        start = time.perf_counter()
-        await self._rpc("grpo_start_receive", [s.to_json() for s in specs], bucket_bytes)
+        await self._rpc("grpo_start_receive", [s.to_json() for s in specs], bucket_bytes, self.staging, version)
         delay = 0.001
-        while True:  # generation goes on while the workers' threads receive
+        while True:  # generation goes on while the workers' threads receive (and, staged, prepare)
             status, error = receive_status(await self._rpc("grpo_receive_status"))
-            if status != "receiving":
+            if status not in ("receiving", "preparing"):
                 break
             await asyncio.sleep(delay)
             delay = min(2 * delay, 0.02)
-        if status != "received":
-            raise _ReceiveFailed(f"receiving failed: {error}")
-        self.receive_s_last = time.perf_counter() - start
+        if status not in ("received", "prepared"):
+            raise _ReceiveFailed(error)
         self.not_updating.clear()  # requests sent from now on wait for the new version (and its cache salt)
         pause_start = time.perf_counter()
         try:
             await self.engine.pause_generation(mode="keep", clear_cache=False)
             try:
                 try:
-                    self.load_s_last = max(await self._rpc("grpo_load"))
+                    timings = await self._rpc("grpo_load")
                 except Exception as error:
                     # refused before generation resumes on weights that may be half loaded
                     self.mark_stale(f"weights version {version} failed to load ({error}); its weights are out of date")
@@ -382,11 +436,15 @@ class VLLMInferenceServer(ContractServer):
         self.pause_s_last = time.perf_counter() - pause_start
         self.pause_s_total += self.pause_s_last
         self.weight_updates += 1
+        self.receive_s_last, self.load_s_last, self.swap_s_last = (
+            max(t[key] for t in timings) for key in ("receive_s", "load_s", "swap_s")
+        )
         log.info(
-            "weights version %d: received in %.3f s, loaded in %.3f s, generation paused %.3f s",
+            "weights version %d: received in %.3f s, loaded in %.3f s (%s), generation paused %.3f s",
             version,
             self.receive_s_last,
             self.load_s_last,
+            "before the pause" if self.staging == "staged" else "in the pause",
             self.pause_s_last,
         )
         await self.announce_version()
@@ -417,6 +475,8 @@ class VLLMInferenceServer(ContractServer):
             "pause_s_mean": self.pause_s_total / updates if updates else 0.0,
             "receive_s_last": self.receive_s_last,
             "load_s_last": self.load_s_last,
+            "swap_s_last": self.swap_s_last,
+            "weight_staging": self.staging,
             **self.load(),
         }
 
@@ -435,11 +495,11 @@ class VLLMInferenceServer(ContractServer):
 
 def receive_status(statuses: list[tuple[str, str | None]]) -> tuple[str, str | None]:
     """One update's status over the workers' (`WeightReceiver.grpo_receive_status`): failed as soon as one failed
-    (the group is broken: the others' broadcasts cannot all come), received once all received."""
+    (the group is broken: the others' broadcasts cannot all come), received (or prepared) once all are."""
     for status, error in statuses:
         if status == "failed":
             return status, error
-    return next(((s, e) for s, e in statuses if s != "received"), ("received", None))
+    return next(((s, e) for s, e in statuses if s not in ("received", "prepared")), statuses[0])
 
 
 def agreed_digest(digests: list[dict[str, str] | None]) -> dict[str, str] | None:
@@ -449,13 +509,16 @@ def agreed_digest(digests: list[dict[str, str] | None]) -> dict[str, str] | None
     return digests[0]
 
 
+WEIGHT_STAGINGS = ("staged", "in_place")
+"""where an update is loaded and repacked for vLLM's kernels: into the model's shadow before the pause, or in place"""
+
 _RENDEZVOUS_TIMED_OUT = "the rendezvous timed out"
 """what the worker's error says when the trainer's side of a group did not come (vLLM's RPC keeps only messages)"""
 
 
 class _ReceiveFailed(RuntimeError):
-    """An update's broadcasts did not all arrive (the sender died, or sent nothing within the group's timeout): the
-    model was not touched."""
+    """An update's broadcasts did not all arrive (the sender died, or sent nothing within the group's timeout), or
+    its staged prepare failed: the serving model was not touched."""
 
 
 def sampling_params(sampling: Sampling):
@@ -582,6 +645,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kv-cache-gb", type=int, default=1, help="the CPU KV cache (VLLM_CPU_KVCACHE_SPACE)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model (default: eager)")
     parser.add_argument(
+        "--weight-staging",
+        default="staged",
+        choices=WEIGHT_STAGINGS,
+        help="staged: load and repack each update into a second copy of the model while generation goes on, then "
+        "pause only to swap it in (one model's size more memory); in_place: load into the serving model while "
+        "generation is paused (seconds for a 135M model on a CPU), for when memory is short",
+    )
+    parser.add_argument(
         "--cache-dir", default="", help="vLLM's caches and sockets (default: a temporary folder removed at exit)"
     )
     args = parser.parse_args(argv)
@@ -661,7 +732,15 @@ async def serve(args: argparse.Namespace, access: ControlAccess) -> None:
         if os.path.exists(f"/proc/{os.getpid()}/stat"):
             await engine.collective_rpc("grpo_watch_frontend", args=(os.getpid(),))
         server = VLLMInferenceServer(
-            engine, stats, AutoTokenizer.from_pretrained(path), args.model, path, dtype, args.version, access
+            engine,
+            stats,
+            AutoTokenizer.from_pretrained(path),
+            args.model,
+            path,
+            dtype,
+            args.version,
+            access,
+            args.weight_staging,
         )
         log.info("vLLM engine up in %.1f s", time.perf_counter() - start)
         runner = web.AppRunner(server.app(), access_log=None, **RUNNER_OPTIONS)

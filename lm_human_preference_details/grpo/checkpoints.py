@@ -33,6 +33,7 @@ MAY_CHANGE_ON_RESUME = {
     "trainer_host",
     "weight_backend",
     "update_bucket_mb",
+    "weight_staging",
     *(setting.name for setting in dataclasses.fields(PlacementArgs)),
 }
 """what a resumed run may set otherwise (how long it runs, where and how its processes run); the rest must be the

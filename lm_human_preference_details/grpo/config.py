@@ -10,7 +10,13 @@ import tyro
 
 from lm_human_preference_details.cli import UserError
 from lm_human_preference_details.grpo.loss_options import Baseline, ImportanceSampling, LossType, Normalizer, StdOver
-from lm_human_preference_details.grpo.protocol import MAX_CHOICES, MIN_TEMPERATURE, ServerDtype, WeightBackend
+from lm_human_preference_details.grpo.protocol import (
+    MAX_CHOICES,
+    MIN_TEMPERATURE,
+    ServerDtype,
+    WeightBackend,
+    WeightStaging,
+)
 from lm_human_preference_details.grpo.schedule import Mode, Schedule
 from lm_human_preference_details.grpo.world import PlacementArgs
 from lm_human_preference_details.tracking import RunArgs
@@ -268,6 +274,11 @@ class ServingArgs:
     cost the servers less HTTP and prefill per sample. Divides batch_size / group_size (a request never
     spans two optimizer steps); 0: all of an optimizer step's problems in one request; with `chat` each
     problem still goes in a request of its own"""
+    weight_staging: WeightStaging = "staged"
+    """how the servers take a weight update in: `staged` readies it beside the old weights (received into buffers
+    of their own; vLLM also repacks them for its kernels there, a second copy of the weights on each vLLM server)
+    while generation goes on, and pauses only to swap them in; `in_place` loads into the served weights during the
+    pause (on vLLM: a longer pause, a copy of the weights less)"""
     request_timeout_s: float = 300.0
     """a completion request taking longer is retried on another server; with no usable server for this long, the actor
     fails the run"""

@@ -110,6 +110,7 @@ def server_flags(
         *("--model", model, "--threads", str(threads or args.torch_threads("server"))),
         *("--seed", str(args.seed + i), "--max-batch-size", str(args.serving.server_batch_size)),
         *("--version", str(version), "--exit-with-parent", "--dtype", args.serving.server_dtype),
+        *("--weight-staging", args.serving.weight_staging),
         *(("--tensor-parallel-size", str(tensor_parallel)) if tensor_parallel > 1 else ()),
     ]
 

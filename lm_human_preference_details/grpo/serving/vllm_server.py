@@ -66,7 +66,7 @@ from typing import get_args
 
 from aiohttp import web
 
-from lm_human_preference_details.grpo.protocol import ParameterSpec, ServerDtype
+from lm_human_preference_details.grpo.protocol import ParameterSpec, ServerDtype, WeightStaging
 from lm_human_preference_details.grpo.serving.control import ControlAccess, RendezvousTimeout
 from lm_human_preference_details.grpo.serving.http_contract import RUNNER_OPTIONS, ContractServer, first_line, listen
 from lm_human_preference_details.grpo.serving.replies import Sample
@@ -509,9 +509,6 @@ def agreed_digest(digests: list[dict[str, str] | None]) -> dict[str, str] | None
     return digests[0]
 
 
-WEIGHT_STAGINGS = ("staged", "in_place")
-"""where an update is loaded and repacked for vLLM's kernels: into the model's shadow before the pause, or in place"""
-
 _RENDEZVOUS_TIMED_OUT = "the rendezvous timed out"
 """what the worker's error says when the trainer's side of a group did not come (vLLM's RPC keeps only messages)"""
 
@@ -647,7 +644,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--weight-staging",
         default="staged",
-        choices=WEIGHT_STAGINGS,
+        choices=get_args(WeightStaging),
         help="staged: load and repack each update into a second copy of the model while generation goes on, then "
         "pause only to swap it in (one model's size more memory); in_place: load into the serving model while "
         "generation is paused (seconds for a 135M model on a CPU), for when memory is short",

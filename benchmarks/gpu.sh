@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The speed tables of ppo_speed.py and grpo_speed.py on a lent GPU machine, in one prepared run of
-# about 7 minutes, written to $OUT: each table's results.md and results.json, the world map of a short
-# GRPO launch (world_map/results.json; its summary line is in the log), and this run's log.
+# The speed tables of ppo_speed.py, grpo_speed.py and weight_sync.py (the home engine's rows) on a lent GPU
+# machine, in one prepared run of about 7 minutes, written to $OUT: each table's results.md and results.json,
+# the world map of a short GRPO launch (world_map/results.json; its summary line is in the log), and this
+# run's log.
 #
 # Here, once:  bash benchmarks/gpu_wheels.sh       # what the GPU image lacks, as wheels in .whl/
 # Then, with the device tool:  run(command="bash benchmarks/gpu.sh", carry=[".whl"], timeout_s=480)
@@ -11,7 +12,7 @@
 # clocks start). TRL rows come from .whl/trl112 and .whl/trl116, each installed in a directory of its
 # own, or from $LMHPD_TRL_PYTHON and $LMHPD_TRL116_PYTHON where those are set (as tests/run.sh sets them);
 # without either they are left out. SmolLM2's weight update is not timed: its GGUF package is too large
-# to carry. Each table is saved after every run, so one that overruns its time limit keeps its rows.
+# to carry. The weight update's limit is gloo's: NCCL's would need a second GPU (it refuses two ranks on one). Each table is saved after every run, so one that overruns its time limit keeps its rows.
 #
 # DEVICE=cpu runs the same script without a GPU; SMOKE=1 shrinks every size to seconds; WHEELS=DIR
 # installs from DIR instead of .whl/ (the test runs it with DEVICE=cpu SMOKE=1 and no wheels).
@@ -74,15 +75,17 @@ trl116=${LMHPD_TRL116_PYTHON:+--trl-python $LMHPD_TRL116_PYTHON}
 if [ "${SMOKE:-0}" = 1 ]; then
     ppo=(--batch-size 8 --query-length 16 --response-length 8 --epochs 1 --warmup 1 --updates 1 --repeats 1
          --scaling --scaling-batches 8 --scaling-lengths 8)
-    limits=(600 600)  # a busy 2-core machine, not the GPU's time budget
+    limits=(600 600 300)  # a busy 2-core machine, not the GPU's time budget
     # every table grpo_speed makes, and every kind of row but two flag variants of a launch (per-tensor
     # updates, one thread per process: tests/grpo/test_launch.py runs those): the suite's smoke test of it
-    grpo=(--steps 8 --repeats 1 --sync-steps 4 --pipeline-steps-ahead 2.5 --updates 2 --no-per-tensor-row --no-one-thread-row
+    grpo=(--steps 8 --repeats 1 --sync-steps 4 --pipeline-steps-ahead 2.5 --no-per-tensor-row --no-one-thread-row
           --scaling --scaling-batches 16 --scaling-tokens 3 --scaling-steps 5 -- --max-tokens 4)
+    sync=(--updates 1 --raw-repeats 1 --dtypes float32 --stagings staged in_place)
 else  # one process per row (a GPU run varies less than the 2-core CPU's)
     ppo=(--updates 10 --repeats 1 --scaling)
     grpo=(--steps 100 --repeats 1 --no-per-tensor-row --no-one-thread-row --pipeline-steps-ahead 2 6 -- --max-tokens 24 --ignore-eos)
-    limits=(170 190)  # seconds per table: with the setup, under the run's 480 s (the device's 15 minutes hold one such run, not two)
+    sync=(--updates 5 --dtypes bfloat16 float32 --stagings staged)
+    limits=(150 180 60)  # seconds per table: with the setup, under the run's 480 s (the device's 15 minutes hold one such run, not two)
     # vLLM's rows where the GPU image has vLLM (too large to carry in .whl/): the image's python serves as the vLLM
     # environment (grpo/serving/vllm_env.py's layout; its server sees the image's packages, not .whl/'s newer
     # transformers),
@@ -94,7 +97,7 @@ else  # one process per row (a GPU run varies less than the 2-core CPU's)
         export LMHPD_VLLM_ENV=/tmp/lmhpd-vllm
         grpo=(--engines home vllm --generation-tasks tiny "${grpo[@]}")
         ppo=(--updates 5 --repeats 1 --scaling)
-        limits=(110 250)
+        limits=(100 210 60)
         echo "vLLM $vllm_version in the image: the GRPO table has its rows"
     else
         echo "no vLLM in the image: the GRPO table has the home engine's rows only"
@@ -111,8 +114,10 @@ run_table() {  # NAME SECONDS COMMAND...: one table under its own time limit; on
     fi
 }
 run_table ppo_speed "${limits[0]}" python3 benchmarks/ppo_speed.py --device "$device" --out-dir "$out/ppo_speed" $trl "${ppo[@]}"
-run_table grpo_speed "${limits[1]}" python3 benchmarks/grpo_speed.py --device "$device" --out-dir "$out/grpo_speed" --update-models tiny-math \
+run_table grpo_speed "${limits[1]}" python3 benchmarks/grpo_speed.py --device "$device" --out-dir "$out/grpo_speed" \
     $trl116 "${grpo[@]}"
+run_table weight_sync "${limits[2]}" python3 benchmarks/weight_sync.py --device "$device" --out-dir "$out/weight_sync" --models tiny-math \
+    --engines home "${sync[@]}"
 # the launcher's world map on this machine (grpo/world.py): with two GPUs or more, a server on GPU 0 and the trainer
 # on GPU 1, weights over NCCL; with one, the colocated layout; on the CPU, two slots stand in for two GPUs
 if [ "$device" = cpu ]; then
@@ -126,7 +131,7 @@ run_table world_map 120 python3 -m lm_human_preference_details.grpo.launch --tas
     --output-dir "$out/world_map/run" "${layout[@]}"
 [ -f "$out/world_map/run/world.json" ] && cp "$out/world_map/run/world.json" "$out/world_map/results.json"
 # only the tables come back from the device machine ($OUT/a/b/file at most, 8 files): drop the runs
-for name in ppo_speed grpo_speed world_map; do
+for name in ppo_speed grpo_speed weight_sync world_map; do
     [ -d "$out/$name" ] && find "$out/$name" -mindepth 1 -maxdepth 1 ! -name 'results.*' -exec rm -rf {} +
 done
 ls -R "$out"

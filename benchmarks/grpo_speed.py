@@ -12,12 +12,9 @@ with one broadcast per tensor (PipelineRL's way), as a row of its own. The pipel
 `--steps-ahead` of `--pipeline-steps-ahead` (how far the actor may run ahead of the trainer sets its
 lag), and a second table compares each sync schedule with the fastest pipeline row whose mean lag
 (steps after the first fifth) is no larger: the speed-up at the same on-policyness or better.
-Then the weight update itself for each of `--update-models`: a server generating at full batch, the
-trainer's broadcast (announce, then one broadcast per tensor or per bucket, until received) and the
-server's pause (decoding stopped for the swap), median over `--updates` updates each way.
+The weight update itself is benchmarks/weight_sync.py's.
 With `--engines home vllm`, vLLM's servers (`grpo.launch --engine vllm`) join: a `pipeline, vLLM` row and a
-`sync G=<first>, vLLM` row (the home rows then pass `--engine home`: on a GPU `auto` would pick vLLM), and each
-model's weight update on a vLLM server.
+`sync G=<first>, vLLM` row (the home rows then pass `--engine home`: on a GPU `auto` would pick vLLM).
 
 `--generation-tasks tiny arith` adds a table of generation alone, per preset and engine: one server with every core
 (the preset's model and server batch) gets `--generation-requests` completion requests shaped as the actor's (the
@@ -49,18 +46,15 @@ from grpo_speed_args import Args
 from grpo_speed_compute import ROLES
 from grpo_speed_generation import generation_table, time_generation, time_generation_limit
 from grpo_speed_schedules import ROLE_ROWS, run_role, run_schedule, scaling, scaling_table, schedules, schedules_table
-from grpo_speed_updates import time_weight_updates, updates_table
 
 from lm_human_preference_details.benchmarking import git_commit
 from lm_human_preference_details.cli import main_with_user_errors, split_passthrough
 
 
-def markdown(
-    args: Args, runs: dict[str, list[dict]], updates: list[dict], scaled: list[dict], generation: list[dict] = ()
-) -> str:
-    """results.md: the schedules table (and the one at matched lag), then those of weight updates, `--scaling` and
-    generation alone, each where it has rows."""
-    lines = schedules_table(args, runs) + updates_table(updates) + scaling_table(args, scaled)
+def markdown(args: Args, runs: dict[str, list[dict]], scaled: list[dict], generation: list[dict] = ()) -> str:
+    """results.md: the schedules table (and the one at matched lag), then those of `--scaling` and generation
+    alone, each where it has rows."""
+    lines = schedules_table(args, runs) + scaling_table(args, scaled)
     return "\n".join(lines + generation_table(generation)) + "\n"
 
 
@@ -77,37 +71,29 @@ def main(argv: list[str] | None = None) -> None:
     if args.trl_python:
         roles["trl"] = args.trl_python
     runs: dict[str, list[dict]] = {name: [] for name, _ in schedules(args)} | {ROLE_ROWS[role]: [] for role in roles}
-    updates: list[dict] = []
     scaled: list[dict] = []
     generation: list[dict] = []
     for repeat in range(args.repeats):
         for name, flags in schedules(args):
             runs[name].append(run_schedule(args, name, flags, repeat))
-            save(args, runs, updates, scaled, generation)
+            save(args, runs, scaled, generation)
         for role, python in roles.items():
             runs[ROLE_ROWS[role]].append(run_role(args, role, python, repeat))
-            save(args, runs, updates, scaled, generation)
-    for model in args.update_models:
-        for engine in args.engines:
-            folder = os.path.join(args.out_dir, "updates", f"{model}_{engine}")
-            updates.append(time_weight_updates(model, engine, args.updates, args.update_bucket_mb, args.device, folder))
-            save(args, runs, updates, scaled, generation)
+            save(args, runs, scaled, generation)
     if args.scaling:
         scaled += scaling(args)
-        save(args, runs, updates, scaled, generation)
+        save(args, runs, scaled, generation)
     for task in args.generation_tasks:
         for engine in args.engines:
             generation.append(time_generation(args, task, engine))
-            save(args, runs, updates, scaled, generation)
+            save(args, runs, scaled, generation)
         if "vllm" in args.engines:
             generation.append(time_generation_limit(args, task))
-            save(args, runs, updates, scaled, generation)
-    print(markdown(args, runs, updates, scaled, generation))
+            save(args, runs, scaled, generation)
+    print(markdown(args, runs, scaled, generation))
 
 
-def save(
-    args: Args, runs: dict[str, list[dict]], updates: list[dict], scaled: list[dict], generation: list[dict]
-) -> None:
+def save(args: Args, runs: dict[str, list[dict]], scaled: list[dict], generation: list[dict]) -> None:
     """results.json and results.md as they stand (after every run: a benchmark stopped midway keeps its rows)."""
     runs = {name: rs for name, rs in runs.items() if rs}  # the first run is the pipeline's
     with open(os.path.join(args.out_dir, "results.json"), "w") as f:
@@ -116,7 +102,6 @@ def save(
                 "args": dataclasses.asdict(args),
                 "commit": git_commit(),
                 "runs": runs,
-                "updates": updates,
                 "scaling": scaled,
                 "generation": generation,
             },
@@ -124,7 +109,7 @@ def save(
             indent=2,
         )
     with open(os.path.join(args.out_dir, "results.md"), "w") as f:
-        f.write(markdown(args, runs, updates, scaled, generation))
+        f.write(markdown(args, runs, scaled, generation))
 
 
 if __name__ == "__main__":

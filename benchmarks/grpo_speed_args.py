@@ -22,12 +22,6 @@ class Args:
     """the G of each sync schedule compared"""
     repeats: int = 2
     """runs per schedule; the table shows medians"""
-    update_models: list[str] = field(default_factory=lambda: ["tiny-math", "smollm2-135m"])
-    """models whose weight update is timed (empty: skip)"""
-    updates: int = 10
-    """weight updates timed per model"""
-    update_bucket_mb: float = 16.0
-    """the weight update is timed one broadcast per tensor and with buckets of this many MiB"""
     per_tensor_row: bool = True
     """when the preset sends its updates in buckets, also run the pipeline with one broadcast per tensor"""
     pipeline_steps_ahead: list[float] = field(default_factory=lambda: [2, 2.5, 6])
@@ -63,7 +57,7 @@ class Args:
     optimizer step in one process, nothing else) as a row"""
     engines: list[Literal["home", "vllm"]] = field(default_factory=lambda: ["home"])
     """the inference engines compared (`grpo.launch --engine`): `vllm` adds a pipeline row and a sync row (the first
-    G) on vLLM's servers, vLLM's weight updates and, in the generation table, vLLM's server and its offline limit"""
+    G) on vLLM's servers and, in the generation table, vLLM's server and its offline limit"""
     generation_tasks: list[str] = field(default_factory=list)
     """presets whose model and prompts the generation table serves (e.g. `tiny arith`: arith's model is
     SmolLM2-135M-Instruct); empty: no generation table"""

@@ -295,6 +295,9 @@ def test_gpu_sh_writes_every_speed_table_of_ppo_speed_and_grpo_speed(tmp_path):
         "ppo_speed",
         "ppo_speed/results.json",
         "ppo_speed/results.md",
+        "weight_sync",
+        "weight_sync/results.json",
+        "weight_sync/results.md",
         "world_map",
         "world_map/results.json",
     ]
@@ -337,20 +340,24 @@ def test_gpu_sh_writes_every_speed_table_of_ppo_speed_and_grpo_speed(tmp_path):
     for name in ("pipeline", "sync G=4"):
         run = grpo["runs"][name][0]
         assert 0 < run["cores_busy"] <= os.cpu_count() + 0.1 and run["cpu_ms_per_sample"] > 0, name
-    (update,) = grpo["updates"]
-    assert update["model"] == "tiny-math" and update["tensors"] == 28 and update["broadcasts_bucketed"] == 1
-    assert all(update[way]["broadcast_s"] > 0 and update[way]["pause_s"] > 0 for way in ("per_tensor", "bucketed"))
     (scaled,) = grpo["scaling"]
     assert scaled["batch"] == 16 and scaled["tokens"] == 3 and scaled["pipeline"] > 0 and scaled["sync G=4"] > 0
     table = (out / "grpo_speed" / "results.md").read_text()
-    assert (
-        "| pipeline |" in table
-        and "| sync G=4 |" in table
-        and "| tiny-math | home | 0.1M | 28 (one per tensor) |" in table
-    )
+    assert "| pipeline |" in table and "| sync G=4 |" in table
     assert "| 16 | 3 |" in table and "At matched on-policyness" in table
     if trl116_python:
         assert grpo["runs"]["trl GRPOTrainer"][0]["lag_mean"] == 0 and "| trl GRPOTrainer |" in table
+
+    sync = json.loads((out / "weight_sync" / "results.json").read_text())["rows"]
+    assert [(r["staging"], r["transfer"], r["broadcasts"]) for r in sync] == [
+        ("staged", "per_tensor", 28),
+        ("staged", "buckets", 1),
+        ("in_place", "per_tensor", 28),
+        ("in_place", "buckets", 1),
+    ]
+    for r in sync:
+        assert 0 < r["pause_s"] < r["end_to_end_s"] and r["raw_s"] > 0 and r["receive_s"] > 0, r
+    assert (out / "weight_sync" / "results.md").read_text().splitlines()[-1].startswith("worst end to end / raw: ")
     missing = [
         name
         for name, python in (("LMHPD_TRL_PYTHON", trl_python), ("LMHPD_TRL116_PYTHON", trl116_python))
@@ -399,23 +406,13 @@ def test_grpo_speed_matches_lag_within_an_engine_and_rates_every_row_against_the
     assert rows["sync G=4"] == "| sync G=4 | 1.50 | none is as on-policy | - | - | - |"
     assert rows["sync G=4, vLLM"] == "| sync G=4, vLLM | 1.50 | pipeline, vLLM | 1.00 | 2.00x | 2.00 |"
     only_vllm = {name: rs for name, rs in runs.items() if name.endswith("vLLM")}
-    table = speed.markdown(speed.Args(steps=8, repeats=1, engines=["vllm"]), only_vllm, [], [])
+    table = speed.markdown(speed.Args(steps=8, repeats=1, engines=["vllm"]), only_vllm, [])
     assert "| pipeline, vLLM / this (samples/s) |" in table  # the first row is the reference, whichever engine
     assert "| sync G=4, vLLM | 200 | - | - | 1.50 | - | - | - | 2.00x | 2.00 |" in table
 
 
-def test_grpo_speed_tables_of_weight_updates_per_engine_and_of_generation_against_vllms_limit():
+def test_grpo_speed_table_of_generation_against_vllms_limit():
     speed = load_script("grpo_speed")
-    update = {
-        "model": "tiny-math",
-        "engine": "home",
-        "parameters": 123_456,
-        "tensors": 28,
-        "bucket_mb": 16.0,
-        "broadcasts_bucketed": 1,
-        "per_tensor": {"broadcast_s": 0.0123, "pause_s": 0.00045},
-        "bucketed": {"broadcast_s": 0.0067, "pause_s": 0.00012},
-    }
     shape = {"model": "tiny-math", "requests": 8, "prompts_per_request": 8, "n": 8, "max_tokens": 24, "in_flight": 32}
     generation = [
         {**shape, "task": "tiny", "engine": "home", "samples_per_s": 100.0, "tokens_per_s": 2400.0},
@@ -439,15 +436,10 @@ def test_grpo_speed_tables_of_weight_updates_per_engine_and_of_generation_agains
     table = speed.markdown(
         speed.Args(steps=8, repeats=1),
         {"pipeline": [{"samples_per_s": 10.0, "lag_steady": 1.0}]},
-        [update, {**update, "engine": "vllm"}],
         [],
         generation,
     )
     lines = table.splitlines()
-    assert "| model | engine | parameters | broadcasts | trainer broadcast (ms) | server pause (ms) |" in lines
-    assert "| tiny-math | home | 0.1M | 28 (one per tensor) | 12.3 | 0.45 |" in lines
-    assert "| tiny-math | vllm | 0.1M | 1 (16 MiB buckets) | 6.7 | 0.12 |" in lines
-    assert table.index("| tiny-math | home |") < table.index("Generation alone")  # the generation table comes last
     assert lines[-4:] == [
         "| tiny | tiny-math | home | 8 x 8 x 8 | 24 | 32 | 100.0 | 2400 | 0.60x |",
         "| tiny | tiny-math | vllm | 8 x 8 x 8 | 24 | 32 | 50.0 | 1200 | 1.20x |",
@@ -455,8 +447,32 @@ def test_grpo_speed_tables_of_weight_updates_per_engine_and_of_generation_agains
         "| arith | smollm2-135m | home | 8 x 8 x 8 | 24 | 32 | 4.2 | 102 | - |",  # no limit row for arith
     ]
     assert "Generation alone" not in speed.markdown(
-        speed.Args(steps=8, repeats=1), {"pipeline": [{"samples_per_s": 10.0, "lag_steady": 1.0}]}, [], []
+        speed.Args(steps=8, repeats=1), {"pipeline": [{"samples_per_s": 10.0, "lag_steady": 1.0}]}, []
     )
+
+
+def test_weight_sync_table_rates_each_row_against_the_raw_broadcast_and_ends_with_the_worst():
+    sync = load_script("weight_sync")
+    row = {
+        "model": "smollm2-135m",
+        "engine": "home",
+        "dtype": "bfloat16",
+        "staging": "staged",
+        "transfer": "buckets",
+        "broadcasts": 17,
+        "mib_sent": 256.5,
+        "send_s": 0.31,
+        "receive_s": 0.3,
+        "pause_s": 0.0004,
+        "end_to_end_s": 0.36,
+        "raw_s": 0.24,
+        "e2e_over_raw": 1.5,
+    }
+    worse = {**row, "engine": "vllm", "pause_s": 0.25, "end_to_end_s": 0.6, "e2e_over_raw": 2.5}
+    lines = sync.markdown(sync.Args(), [row, worse]).splitlines()
+    cells = "| smollm2-135m | home | bfloat16 | staged | 17 (16 MiB) | 256.5 | 310.0 | 300.0 | 0.4 | 360.0 | 240.0 |"
+    assert f"{cells} 1.50x |" in lines
+    assert lines[-1] == "worst end to end / raw: 2.50x (smollm2-135m, vllm, bfloat16, staged, buckets)"
 
 
 def test_grpo_speed_generation_requests_are_the_actors(monkeypatch):

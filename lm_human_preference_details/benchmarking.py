@@ -1,6 +1,6 @@
 """What the speed benchmarks (benchmarks/*_speed.py) share: the device their processes run on, how a
-benchmarked process is run and logged, the machine's CPU over a run's steady state, a GRPO server to time, and
-their markdown tables."""
+benchmarked process is run and logged, the machine's CPU over a run's steady state, a process's peak memory over a
+block of code, a GRPO server to time, and their markdown tables."""
 
 import contextlib
 import os
@@ -8,6 +8,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Literal
 
 Device = Literal["cpu", "cuda"]
@@ -123,6 +124,40 @@ class SteadyCpu(threading.Thread):
             "cores_busy": (cpu1 - cpu0) / (wall1 - wall0),
             "cpu_ms_per_sample": (cpu1 - cpu0) * 1e3 / ((rows1 - rows0) * samples_per_row),
         }
+
+
+@dataclass
+class PeakRss:
+    """This process's resident set (bytes) when a block began (`before`) and at its highest during it (`peak`)."""
+
+    before: int = 0
+    peak: int = 0
+
+    @property
+    def extra(self) -> int:
+        """What the block added at its highest: the memory it needed beyond what the process held."""
+        return self.peak - self.before
+
+
+@contextlib.contextmanager
+def peak_rss() -> Iterator[PeakRss]:
+    """This process's peak resident set over the block, filled in when the block ends: the kernel's high-water
+    mark (VmHWM) reset at the start by writing 5 to /proc/self/clear_refs (Linux 4.0 on). Memory the allocator
+    keeps after a free counts until it is reused; the threads of the process count together."""
+    rss = PeakRss()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    rss.before = _status_bytes("VmRSS")
+    yield rss
+    rss.peak = max(_status_bytes("VmHWM"), rss.before)
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024  # the kernel writes kB
+    raise RuntimeError(f"/proc/self/status has no {field}: peak_rss needs Linux")
 
 
 @contextlib.contextmanager

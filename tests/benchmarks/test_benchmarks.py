@@ -9,6 +9,7 @@ import subprocess
 import time
 
 import pytest
+import torch
 
 from tests.conftest import REPO
 
@@ -133,6 +134,18 @@ def test_grpo_speed_counts_the_machines_cpu_between_two_rows_of_the_metrics(tmp_
     unseen.start()
     unseen.stop()
     assert unseen.result(samples_per_row=64) == {}  # a run that never got there: no numbers rather than wrong ones
+
+
+def test_peak_rss_counts_the_memory_a_block_touched_at_its_highest_and_not_an_earlier_peak():
+    from lm_human_preference_details.benchmarking import peak_rss
+
+    mib = 2**20
+    earlier = torch.ones(128 * mib // 4)  # a higher peak before the block: the reset forgets it
+    del earlier
+    with peak_rss() as rss:
+        inside = torch.ones(48 * mib // 4)
+        del inside
+    assert rss.before > 0 and 46 * mib <= rss.extra < 64 * mib, rss  # pages the process held before may serve it
 
 
 def test_grpo_speed_rows_are_over_the_steps_after_the_warm_up_and_the_table_shows_them():

@@ -15,6 +15,7 @@ side however small its tensor, which a small model's many small tensors pay over
 bucket of them pays it once (benchmarks/README.md has the timings).
 """
 
+import collections
 import contextlib
 import datetime
 import hashlib
@@ -59,9 +60,14 @@ def tensor_specs(
 
 def digest(model: torch.nn.Module) -> dict[str, str]:
     """SHA-256 of each parameter's bytes (equal digests: bitwise equal weights)."""
+    return tensor_digests(model.named_parameters())
+
+
+def tensor_digests(parameters: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
+    """`digest` of named tensors (a sharded model's, gathered)."""
     return {
         name: hashlib.sha256(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
-        for name, p in model.named_parameters()
+        for name, p in parameters
     }
 
 
@@ -163,6 +169,16 @@ def on_stream(stream: "torch.cuda.Stream | None"):
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
+def _queued_before(tensor: torch.Tensor) -> "torch.cuda.Event | None":
+    """On a GPU, an event after the work queued so far on the current stream (the copies that made `tensor`), for
+    the transfer stream to wait for; None on a CPU."""
+    if not tensor.is_cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(tensor.device))
+    return event
+
+
 class BufferPool:
     """Flat buffers kept between updates, to be written again: on a CPU a fresh buffer's pages are faulted in and
     zeroed by the kernel as they are first written, which costs more than the copy or the receive into them (twice
@@ -254,7 +270,8 @@ def swap_tensors(model: torch.nn.Module, specs: list[ParameterSpec], tensors: li
 
 
 class WeightSender:
-    """Trainer side: one process group per server; `push` after every optimizer step."""
+    """Trainer side: one process group per server; `push` after every optimizer step (`push_streamed` where the
+    weights are gathered from shards)."""
 
     def __init__(
         self, server_urls: list[str], backend: WeightBackend = "gloo", host: str = "127.0.0.1", timeout_s: float = 300
@@ -287,18 +304,36 @@ class WeightSender:
         dtype: torch.dtype | None = None,
         bucket_bytes: int = 0,
     ) -> list[str]:
-        """`push` of named whole tensors, in the order and with the names of the model's `named_parameters()` (a
-        sharded model's, gathered)."""
+        """`push` of named whole tensors, in the order and with the names of the model's `named_parameters()`."""
         self.check()
         parameters = [(name, p.detach()) for name, p in parameters]
         specs = tensor_specs(parameters, dtype)
         with torch.no_grad():
             snapshot = flatten([p for _, p in parameters], buckets(specs, bucket_bytes), dtype)
-        copied = None
-        if snapshot and snapshot[0].is_cuda:  # the sender thread's transfer stream waits for the copies queued here
-            copied = torch.cuda.Event()
-            copied.record(torch.cuda.current_stream(snapshot[0].device))
+        copied = _queued_before(snapshot[0]) if snapshot else None
         self._queue.put((specs, snapshot, copied, version, bucket_bytes))
+        return self._take_dropped()
+
+    def push_streamed(
+        self, specs: list[ParameterSpec], flat_buckets: Iterable[torch.Tensor], version: int, bucket_bytes: int = 0
+    ) -> list[str]:
+        """`push` of weights made one bucket at a time (a sharded model's, gathered bucket by bucket, where a whole
+        copy would not fit): `specs` are announced, then each of `flat_buckets` (the flat tensors of
+        `buckets(specs, bucket_bytes)`, in order, in the specs' dtypes) is broadcast while the next one is made,
+        and waited for once that one's broadcast has started: at most two buckets are held. In the caller's thread,
+        after any push still in flight; returns once every server has this one. `flat_buckets` is drained even
+        when nothing can be sent (a refusal, no server left), and only then is that raised: the processes that
+        gather with this one are still gathering."""
+        self._queue.join()  # the sender thread's push in flight reaches the servers first
+        try:
+            self.check()
+        except Exception:
+            for _ in flat_buckets:
+                pass
+            raise
+        ready = ((bucket, _queued_before(bucket)) for bucket in flat_buckets)
+        self._send(specs, ready, version, bucket_bytes, in_flight=1)
+        self._raise_if_failed()
         return self._take_dropped()
 
     def wait(self) -> list[str]:
@@ -333,18 +368,57 @@ class WeightSender:
             specs, snapshot, copied, version, bucket_bytes = self._queue.get()
             try:
                 if self._failed is None:  # after a failure nothing more is sent until push/wait raised it
-                    self._send(specs, snapshot, copied, version, bucket_bytes)
+                    self._send(specs, [(bucket, copied) for bucket in snapshot], version, bucket_bytes)
             except Exception as error:  # the thread lives on, so that push and wait raise it rather than block
                 self._failed = error
             finally:
                 self._queue.task_done()
 
     def _send(
-        self, specs: list[ParameterSpec], snapshot: list[torch.Tensor], copied, version: int, bucket_bytes: int
+        self,
+        specs: list[ParameterSpec],
+        flat_buckets: Iterable[tuple[torch.Tensor, "torch.cuda.Event | None"]],
+        version: int,
+        bucket_bytes: int,
+        in_flight: int | None = None,
     ) -> None:
+        """Announce `specs`, then broadcast each flat bucket (with, on a GPU, the event after its copies) to every
+        server that accepted, each bucket to all of them before any is waited for. With `in_flight`, a bucket's
+        broadcasts are waited for (and the bucket let go) once `in_flight` later buckets' have started; else
+        all at the end. `last_broadcast_s` counts from the announce, the making of streamed buckets included."""
         start = time.perf_counter()
+        announced, refusal = self._announce(specs, version, bucket_bytes)
+        # (bucket, kept until its broadcasts are done; its stream; {url: work}), oldest first
+        sending: collections.deque = collections.deque()
+        for bucket, ready in flat_buckets:
+            stream = transfer_stream(bucket.device)
+            with on_stream(stream):
+                if ready is not None:
+                    stream.wait_event(ready)
+                works = {}
+                for url in announced:
+                    if url not in self.groups:  # dropped by an earlier bucket
+                        continue
+                    try:
+                        works[url] = self.groups[url].broadcast(bucket)
+                    except RuntimeError as error:  # some backends fail at the call (NCCL: two ranks on one GPU)
+                        self._drop(url, error)
+            sending.append((bucket, stream, works))
+            while in_flight is not None and len(sending) > in_flight:
+                self._finish(*sending.popleft()[1:])
+        while sending:
+            self._finish(*sending.popleft()[1:])
+        self.last_broadcast_s = time.perf_counter() - start
+        if refusal is not None:
+            self._failed = refusal
+
+    def _announce(
+        self, specs: list[ParameterSpec], version: int, bucket_bytes: int
+    ) -> tuple[list[str], ServerError | None]:
+        """Announce an update to every server in turn: the servers that accepted it, and the first refusal (the
+        servers after it are not asked); a server that cannot be reached is dropped."""
         payload = {"version": version, "parameters": [s.to_json() for s in specs], "bucket_bytes": bucket_bytes}
-        announced, refusal = [], None
+        announced = []
         for url in list(self.groups):
             try:
                 reply = request_json("POST", f"{url}/request_weight_update", payload, timeout_s=self.timeout_s)
@@ -358,30 +432,24 @@ class WeightSender:
                 announced.append(url)
             except ServerError as error:
                 if error.status is not None:  # refused: raised by push, check and wait once the servers that
-                    refusal = error  # accepted have this update (they wait for it: a trainer that
-                    break  # stopped now would leave them stale)
+                    return announced, error  # accepted have this update (they wait for it: a trainer that
+                    # stopped now would leave them stale)
                 self._drop(url, error)
-        stream = transfer_stream(snapshot[0].device) if copied is not None else None
+        return announced, None
+
+    def _finish(self, stream: "torch.cuda.Stream | None", works: dict) -> None:
+        """Wait for a bucket's broadcasts to the servers still live, dropping a server whose broadcast failed; on a
+        GPU until the transfer stream has sent it, after which the bucket may be freed."""
         with on_stream(stream):
-            if stream is not None:
-                stream.wait_event(copied)
-            works = {}  # every server's broadcasts start before any is waited for
-            for url in announced:
+            for url, work in works.items():
+                if url not in self.groups:
+                    continue
                 try:
-                    works[url] = [self.groups[url].broadcast(t) for t in snapshot]
-                except RuntimeError as error:  # some backends fail at the call (NCCL: two ranks on one GPU)
-                    self._drop(url, error)
-            for url, url_works in works.items():
-                try:
-                    for work in url_works:
-                        work.wait()
+                    work.wait()
                 except RuntimeError as error:
                     self._drop(url, error)
         if stream is not None:
-            stream.synchronize()  # sent: `wait` and the trainer's exit rely on it, and the snapshot may be freed
-        self.last_broadcast_s = time.perf_counter() - start
-        if refusal is not None:
-            self._failed = refusal
+            stream.synchronize()  # sent: `wait` and the trainer's exit rely on it, and the bucket may be freed
 
     def _drop(self, url: str, error: Exception) -> str:
         log.warning("server %s failed (%s): no more weight updates to it", url, error)

@@ -141,19 +141,42 @@ def test_a_refusal_by_one_server_still_updates_the_others_and_a_trainer_left_wit
         assert request_json("GET", f"{a}/weights_digest")["digests"] == digest(model)
         assert request_json("GET", f"{b}/health")["model_version"] == 0  # refused: its own weights serve on
 
+        # the same, streamed (a sharded trainer's push): raised only once every bucket was made, as the trainer
+        # processes that gather with this one make them too
+        with torch.no_grad():
+            model.lm_head.weight.add_(1.0)
+        made = []
+        with pytest.raises(ServerError, match="refused"):
+            sender.push_streamed(parameter_specs(model), made_buckets(model, made), version=2, bucket_bytes=2**16)
+        assert made == buckets(parameter_specs(model), 2**16)
+        assert request_json("GET", f"{a}/health?wait_for_version=2&timeout_s=30")["model_version"] == 2
+        assert request_json("GET", f"{a}/weights_digest")["digests"] == digest(model)
+
         for server in servers:
             server.process.kill()
             server.process.wait()
-        dropped = sender.push(model, version=2)  # neither answers: both dropped (maybe some before push returns)
+        dropped = sender.push(model, version=3)  # neither answers: both dropped (maybe some before push returns)
         assert sorted(dropped + sender.wait()) == sorted([a, b])
         with pytest.raises(RuntimeError, match="every server was dropped from weight updates"):
             sender.check()
         with pytest.raises(RuntimeError, match="every server was dropped from weight updates"):
-            sender.push(model, version=3)
+            sender.push(model, version=4)
+        made = []
+        with pytest.raises(RuntimeError, match="every server was dropped from weight updates"):
+            sender.push_streamed(parameter_specs(model), made_buckets(model, made), version=4, bucket_bytes=2**16)
+        assert made == buckets(parameter_specs(model), 2**16)
     finally:
         for server in servers:
             server.process.kill()
             server.process.wait()
+
+
+def made_buckets(model: torch.nn.Module, made: list):
+    """`model`'s flat buckets of 64 KiB, made one at a time (each bucket's indices appended to `made` as it is)."""
+    tensors = [p.detach() for p in model.parameters()]
+    for bucket in buckets(parameter_specs(model), 2**16):
+        made.append(bucket)
+        yield flatten(tensors, [bucket])[0]
 
 
 def test_the_server_dtypes_are_dtypes_an_update_can_carry():

@@ -3,6 +3,7 @@ benchmarked process is run and logged, the machine's CPU over a run's steady sta
 block of code, a GRPO server to time, and their markdown tables."""
 
 import contextlib
+import ctypes
 import os
 import subprocess
 import threading
@@ -142,14 +143,25 @@ class PeakRss:
 @contextlib.contextmanager
 def peak_rss() -> Iterator[PeakRss]:
     """This process's peak resident set over the block, filled in when the block ends: the kernel's high-water
-    mark (VmHWM) reset at the start by writing 5 to /proc/self/clear_refs (Linux 4.0 on). Memory the allocator
-    keeps after a free counts until it is reused; the threads of the process count together."""
+    mark (VmHWM) reset at the start by writing 5 to /proc/self/clear_refs (Linux 4.0 on); the process's threads
+    count together. Memory that the allocator keeps after a free counts until it is reused (glibc keeps large
+    blocks once one was freed): `unmap_large_blocks` first makes it count live memory only."""
     rss = PeakRss()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     rss.before = _status_bytes("VmRSS")
     yield rss
     rss.peak = max(_status_bytes("VmHWM"), rss.before)
+
+
+def unmap_large_blocks(threshold_bytes: int = 128 * 2**10) -> None:
+    """From now on glibc maps every block of `threshold_bytes` or more alone and unmaps it when freed, and it gives
+    back the free memory it holds now: the resident set then follows the live memory (`peak_rss`). By default
+    glibc raises that threshold to the size of any mapped block freed, up to 32 MiB, and keeps such blocks in its
+    heap after a free; this fixes it. Glibc only (Linux); what it sets lasts for the process."""
+    libc = ctypes.CDLL(None)
+    libc.mallopt(-3, threshold_bytes)  # M_MMAP_THRESHOLD
+    libc.malloc_trim(0)
 
 
 def _status_bytes(field: str) -> int:

@@ -17,6 +17,7 @@ What a stage does differently under a sharding engine, each the way the engine's
   `unwrap_model_for_generation`);
 - `writing`: parameters written outside the optimizer (the reward model's gain and bias), into the shards;
 - `full_state_dict`: the whole tensors, from which the final model is an ordinary transformers folder;
+- `gathered_buckets`: FSDP2's whole tensors a few at a time, flat, for a weight push that never holds them all;
 - `save_training_state` / `load_training_state`: a checkpoint's model and optimizer, whole tensors under DDP and
   FSDP2 (accelerate's FULL_STATE_DICT), each process's ZeRO partition under DeepSpeed (accelerate's `save_state`);
 - `local_state_bytes`: what this process holds of parameters and optimizer state, to show the sharding.
@@ -26,6 +27,7 @@ one a quickstart takes, is precision.py's.
 """
 
 import contextlib
+import math
 import os
 from collections.abc import Iterator
 from typing import Literal
@@ -334,6 +336,52 @@ def full_state_dict(accelerator, model: torch.nn.Module) -> dict[str, torch.Tens
         if not accelerator.is_main_process:
             return {}
         return {k: v.detach().to("cpu", copy=engine == "zero3") for k, v in module.state_dict().items()}
+
+
+def gathered_buckets(
+    parameters: list[torch.Tensor], plan: list[list[int]], dtype: torch.dtype | None
+) -> Iterator[torch.Tensor | None]:
+    """The whole values of `parameters` (FSDP2's DTensors; a tensor that is not one is whole already) in the flat
+    buckets of `plan` (indices into `parameters`, each bucket's values one after another, cast to `dtype`:
+    `weights.flatten`'s layout), one new bucket yielded as soon as it is full. Each tensor is gathered alone and
+    copied into its bucket before the next is gathered: a process holds its shards, the bucket being filled and
+    one whole tensor (plus what the caller keeps of the buckets yielded). Each gather is a collective: every
+    process iterates it to the end, over the same tensors in the same order; with `dtype` None a process only
+    joins the gathers, and gets None per bucket."""
+    for bucket in plan:
+        sizes = [parameters[i].numel() for i in bucket]
+        flat = None if dtype is None else torch.empty(sum(sizes), dtype=dtype, device=parameters[bucket[0]].device)
+        offset = 0
+        for i, size in zip(bucket, sizes):
+            whole = flat_whole(parameters[i].detach())
+            if flat is not None:
+                flat[offset : offset + size].copy_(whole)
+            offset += size
+            del whole  # freed before the next gather
+        yield flat
+
+
+def flat_whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole value, flat, on every process (a collective); a tensor that is not one, flattened. One
+    sharded on its first dimension over a 1-D mesh (FSDP2's parameters) is all-gathered straight into one new
+    tensor, its shards padded to the first one's rows (`torch.chunk`'s layout: only the last shards are short):
+    `DTensor.full_tensor` would hold the whole value twice at its peak (gathered, then copied out)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(tensor, DTensor):
+        return tensor.reshape(-1)
+    if tensor.device_mesh.ndim != 1 or tuple(tensor.placements) != (Shard(0),):
+        return tensor.full_tensor().reshape(-1)
+    group = tensor.device_mesh.get_group()
+    processes = dist.get_world_size(group)
+    shard_elements = -(-tensor.shape[0] // processes) * math.prod(tensor.shape[1:])
+    local = tensor.to_local().reshape(-1)
+    if local.numel() < shard_elements:
+        local = torch.cat([local, local.new_zeros(shard_elements - local.numel())])
+    gathered = torch.empty(processes * shard_elements, dtype=local.dtype, device=local.device)
+    dist.all_gather_into_tensor(gathered, local, group=group)
+    return gathered[: tensor.numel()]
 
 
 def save_training_state(accelerator, model, optimizer, folder: str) -> dict:

@@ -25,8 +25,9 @@ then pushes the new weights into the inference servers.
 the reference sharded over them by FSDP2 (`sharding`). Each reads every group of a step from the stream and runs
 the forward and backward passes of every N-th micro-batch, all of them as many passes (the collectives need every
 process); the gradients are reduced once, after the last pass, and the stats over every process. For a push the
-whole weights are gathered once (every process joins) and the first process sends them; it alone logs, and it
-writes the checkpoint from the gathered weights and optimizer state (whole tensors, which a resume shards again).
+weights are gathered a bucket at a time (every process joins) and the first process sends each bucket while the next
+is gathered, never holding the whole weights; it alone logs, and it writes the checkpoint from the gathered weights
+and optimizer state (whole tensors, which a resume shards again).
 
 Run alone against servers and an actor already running:
 `python -m lm_human_preference_details.grpo.trainer --task tiny --servers http://127.0.0.1:8000 --output-dir DIR`
@@ -61,7 +62,7 @@ from lm_human_preference_details.grpo.loss import (
 )
 from lm_human_preference_details.grpo.records import Attempt, Group
 from lm_human_preference_details.grpo.streams import open_reader
-from lm_human_preference_details.grpo.weights import WeightSender, served_dtype
+from lm_human_preference_details.grpo.weights import WeightSender, buckets, served_dtype, tensor_specs
 from lm_human_preference_details.models import load_causal_lm, temperature_log_softmax
 from lm_human_preference_details.optim import make_optimizer
 from lm_human_preference_details.tracking import Tracker
@@ -603,20 +604,40 @@ class ServerUpdates:
         self.dtype = served_dtype(server_urls[0]) if sends else None
 
     def push_if_due(self, model: torch.nn.Module, version: int, accelerator=None) -> float:
-        """Hand weights `version` to the sender if the schedule says so; the seconds that took (0 if not due), the
-        gather of a sharded model's included."""
+        """Hand weights `version` to the sender if the schedule says so; the seconds that took (0 if not due). One
+        trainer process: the weights are copied and sent in the sender's thread while the next step runs. Several
+        (`accelerator` of a sharded model): gathered one bucket at a time, every process joining, each bucket sent
+        while the next is gathered (`push_sharded`); the step waits for the whole push."""
         if not self.schedule.push_due(version):
             return 0.0
         start = time.perf_counter()
-        parameters = whole_parameters(model, accelerator)
-        if self.sender is None:
-            return time.perf_counter() - start
         bucket_bytes = int(self.args.processes.update_bucket_mb * 2**20)
-        dropped = self.sender.push_tensors(parameters, version, dtype=self.dtype, bucket_bytes=bucket_bytes)
+        if accelerator is not None and accelerator.num_processes > 1:
+            dropped = self.push_sharded(model, version, bucket_bytes)
+        else:
+            parameters = whole_parameters(model, accelerator)
+            dropped = self.sender.push_tensors(parameters, version, dtype=self.dtype, bucket_bytes=bucket_bytes)
         push_s = time.perf_counter() - start
         if dropped:
             log.warning("servers dropped from weight updates: %s", dropped)
         return push_s
+
+    def push_sharded(self, model: torch.nn.Module, version: int, bucket_bytes: int) -> list[str]:
+        """Push a sharded model's weights without a whole copy of them anywhere (PipelineRL's "gather the updated
+        weights layer by layer"): `sharding.gathered_buckets` gathers them bucket by bucket on every process, and
+        the first one sends each bucket as the next is gathered (`WeightSender.push_streamed`), holding its shards
+        and at most two buckets (plus one whole tensor while it is gathered). The gathers are collectives, so the
+        push cannot overlap the next optimizer step as one process's does: the step waits for it. Returns the
+        servers dropped (on the first process)."""
+        parameters = list(model.named_parameters())  # a tied weight once, named as the servers check
+        tensors = [p for _, p in parameters]
+        if self.sender is None:  # joins the gathers only
+            for _ in sharding.gathered_buckets(tensors, [[i] for i in range(len(tensors))], None):
+                pass
+            return []
+        specs = tensor_specs(parameters, self.dtype)
+        flat_buckets = sharding.gathered_buckets(tensors, buckets(specs, bucket_bytes), self.dtype)
+        return self.sender.push_streamed(specs, flat_buckets, version, bucket_bytes)
 
     def check(self) -> None:
         """`WeightSender.check`, where this process sends."""

@@ -2,8 +2,9 @@
 
 An optimizer step on two processes is the single-process step (the same groups, every micro-batch on one process
 or the other, one of them with a filler pass), and so is a step after a resume from a sharded checkpoint; each
-process holds half of the policy; and `grpo.launch --trainer-processes 2` learns on the tiny preset, pushing the
-gathered weights to its server after every step.
+process holds half of the policy; a push gathers the weights a bucket at a time, and the server gets them bitwise; and
+`grpo.launch --trainer-processes 2` learns on the tiny preset, pushing the gathered weights to its server after every
+step.
 """
 
 import json
@@ -25,6 +26,7 @@ from tests.grpo.test_trainer import sampled_groups
 
 CONFIGS = os.path.join(REPO, "configs", "accelerate")
 ON_RANKS = os.path.join(os.path.dirname(__file__), "on_ranks.py")
+PUSH_ON_RANKS = os.path.join(os.path.dirname(__file__), "push_on_ranks.py")
 STEP_FLAGS = (
     *("--group-size", "4", "--batch-size", "12", "--temperature", "0.8", "--lr", "1e-3"),
     # the reference model (sharded too) and the entropy bonus's gradient
@@ -98,6 +100,56 @@ def test_a_sharded_step_and_a_resumed_one_are_the_single_process_steps(two_steps
         held = json.loads((sharded / f"rank-{rank}.json").read_text())
         assert held["dtensors"] == 28 and 0.4 < held["local_elements"] / held["elements"] < 0.6, held
     assert json.loads((single / "rank-0.json").read_text())["dtensors"] == 0
+
+
+def save_wide_model(path) -> torch.nn.Module:
+    """A randomly initialised GPT-2 of tiny-math's vocabulary, 512 wide and 6 blocks deep (76 MB of float32, a
+    largest tensor of 4 MiB), saved with tiny-math's tokenizer into `path` for a server to load; returns it."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from lm_human_preference_details.assets import resolve_model_path
+
+    tiny_math = resolve_model_path("tiny-math")
+    config = AutoConfig.from_pretrained(tiny_math)
+    config.update(dict(n_embd=512, n_layer=6, n_head=8, n_positions=64))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(tiny_math).save_pretrained(path)
+    return model
+
+
+@pytest.mark.slow
+def test_a_sharded_push_gathers_a_bucket_at_a_time_and_the_server_gets_the_gathered_weights(tmp_path):
+    """Two FSDP2 trainer processes push a 76 MB model in 2 MiB buckets: the first process needs at most about two
+    buckets and one whole tensor more than it held (`ServerUpdates.push_sharded`), far less than the model, and the
+    server then holds, bitwise, the weights the trainer processes gather whole."""
+    from lm_human_preference_details.grpo.client import ServerProcess, request_json
+    from lm_human_preference_details.grpo.weights import digest
+
+    model = save_wide_model(tmp_path / "model")
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    with open(tmp_path / "server.log", "wb") as log:
+        server = ServerProcess(["--model", str(tmp_path / "model"), "--threads", "1"], log)
+    try:
+        url = server.wait_until_serving()
+        launcher = accelerate_two_processes(os.path.join(CONFIGS, "fsdp2.yaml"))
+        flags = ("--trainer-processes", "2", "--update-bucket-mb", "2", "--wandb-mode", "disabled")
+        command = [*launcher, PUSH_ON_RANKS, str(tmp_path / "model"), url, str(tmp_path / "push.json"), *flags]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-4000:]
+        request_json("GET", f"{url}/health?wait_for_version=1&timeout_s=30")  # received, then loaded
+        served = request_json("GET", f"{url}/weights_digest")
+    finally:
+        server.process.terminate()
+        server.process.wait(timeout=60)
+    pushed = json.loads((tmp_path / "push.json").read_text())
+    assert served == {"model_version": 1, "digests": pushed["digests"]}
+    assert pushed["digests"].keys() == digest(model).keys() and pushed["digests"] != digest(model)
+    # buckets of 2 MiB, or one tensor alone when larger; gathering the whole model first needed 146 MiB here
+    bucket = max(2 * 2**20, largest)
+    assert pushed["extra_bytes"] < 2 * bucket + largest + 4 * 2**20 < model_bytes / 4, (pushed, model_bytes)
 
 
 def policy_state_bytes() -> int:

@@ -12,7 +12,9 @@ dtype (`protocol.ParameterSpec`); the server checks them against its model befor
 received, then the trainer broadcasts tensor by tensor (PipelineRL's way), or, with a bucket size,
 consecutive tensors concatenated into flat buckets: on gloo every broadcast has a CPU cost on each
 side however small its tensor, which a small model's many small tensors pay over and over where one
-bucket of them pays it once (benchmarks/README.md has the timings).
+bucket of them pays it once (benchmarks/README.md has the timings). One trainer process snapshots its weights and
+sends them from a thread while it takes its next step (`push`); a sharded trainer gathers them a bucket at a time
+and sends each as the next is gathered (`push_streamed`), never holding them whole.
 """
 
 import collections

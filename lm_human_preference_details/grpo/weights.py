@@ -26,7 +26,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import get_args
 from urllib.parse import urlparse
 
@@ -129,17 +129,21 @@ def buckets(specs: list[ParameterSpec], bucket_bytes: int) -> list[list[int]]:
     return plan
 
 
-def flatten(tensors: list[torch.Tensor], plan: list[list[int]], dtype: torch.dtype | None = None) -> list[torch.Tensor]:
-    """One new flat tensor per bucket of `plan`, its tensors' values one after another (cast to `dtype`
-    if given): each value is copied once, cast on the way."""
-    flat = []
+def flatten(
+    tensors: list[torch.Tensor],
+    plan: list[list[int]],
+    dtype: torch.dtype | None = None,
+    pool: "BufferPool | None" = None,
+) -> Iterator[torch.Tensor]:
+    """One flat tensor per bucket of `plan` (new, or from `pool`), its tensors' values one after another (cast to
+    `dtype` if given), yielded as soon as it is full: each value is copied once, cast on the way."""
+    pool = pool or BufferPool()  # an empty one: fresh buffers
     for bucket in plan:
         first = tensors[bucket[0]]
-        buffer = torch.empty(sum(tensors[i].numel() for i in bucket), dtype=dtype or first.dtype, device=first.device)
+        buffer = pool.take(sum(tensors[i].numel() for i in bucket), dtype or first.dtype, first.device)
         for i, piece in zip(bucket, buffer.split([tensors[i].numel() for i in bucket])):
             piece.copy_(tensors[i].reshape(-1))
-        flat.append(buffer)
-    return flat
+        yield buffer
 
 
 def unflatten(flat: list[torch.Tensor], specs: list[ParameterSpec], plan: list[list[int]]) -> list[torch.Tensor]:
@@ -281,6 +285,7 @@ class WeightSender:
         self.groups = {url: join_server(url, backend, host, timeout_s) for url in server_urls}
         self.timeout_s = timeout_s
         self._queue: queue.Queue = queue.Queue(maxsize=1)  # snapshots waiting for the sender thread
+        self._buffers = BufferPool()  # the snapshots' buckets, written again by the snapshot after next
         self._lock = threading.Lock()
         self._dropped: list[str] = []  # since push or wait last returned them
         self._ever_dropped: list[str] = []
@@ -293,7 +298,8 @@ class WeightSender:
     ) -> list[str]:
         """Snapshot the parameters and hand them to the sender thread (announce to every live server,
         then one broadcast per tensor, or per bucket of at most `bucket_bytes`), so the next optimizer
-        step overlaps the transfer. Blocks only while an earlier snapshot still waits its turn (one is
+        step overlaps the transfer. The thread announces while the snapshot is taken and sends each bucket
+        as soon as it is copied. Blocks only while an earlier snapshot still waits its turn (one is
         sent, one may wait). Returns the servers dropped so far (unreachable); raises if a server
         refused an update (trainer and servers disagree about the model), the sender thread failed, or every
         server has been dropped."""
@@ -310,10 +316,12 @@ class WeightSender:
         self.check()
         parameters = [(name, p.detach()) for name, p in parameters]
         specs = tensor_specs(parameters, dtype)
+        copied: queue.SimpleQueue = queue.SimpleQueue()  # (bucket, its copies' event) as each is made; then None
+        self._queue.put((specs, copied, version, bucket_bytes))
         with torch.no_grad():
-            snapshot = flatten([p for _, p in parameters], buckets(specs, bucket_bytes), dtype)
-        copied = _queued_before(snapshot[0]) if snapshot else None
-        self._queue.put((specs, snapshot, copied, version, bucket_bytes))
+            for bucket in flatten([p for _, p in parameters], buckets(specs, bucket_bytes), dtype, self._buffers):
+                copied.put((bucket, _queued_before(bucket)))
+        copied.put(None)
         return self._take_dropped()
 
     def push_streamed(
@@ -367,10 +375,12 @@ class WeightSender:
 
     def _send_forever(self) -> None:
         while True:
-            specs, snapshot, copied, version, bucket_bytes = self._queue.get()
+            specs, copied, version, bucket_bytes = self._queue.get()
+            sent: list[torch.Tensor] = []
             try:
                 if self._failed is None:  # after a failure nothing more is sent until push/wait raised it
-                    self._send(specs, [(bucket, copied) for bucket in snapshot], version, bucket_bytes)
+                    self._send(specs, _as_made(copied, sent), version, bucket_bytes)
+                    self._buffers.give(sent)  # sent: the next snapshot is copied into them
             except Exception as error:  # the thread lives on, so that push and wait raise it rather than block
                 self._failed = error
             finally:
@@ -460,6 +470,14 @@ class WeightSender:
             self._dropped.append(url)
             self._ever_dropped.append(url)
         return url
+
+
+def _as_made(copied: queue.SimpleQueue, sent: list[torch.Tensor]):
+    """The (bucket, event) pairs of a snapshot as `push_tensors` copies them, until its None; each bucket is also
+    kept in `sent`, to be given back once sent."""
+    while (made := copied.get()) is not None:
+        sent.append(made[0])
+        yield made
 
 
 def group_size(health: dict) -> int:

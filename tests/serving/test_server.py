@@ -57,7 +57,7 @@ def test_flatten_then_unflatten_gives_back_every_tensor(dtype):
     specs = parameter_specs(torch.nn.ParameterList(tensors), dtype)
     plan = buckets(specs, 80 if dtype is None else 40)  # 20 floats a bucket: [0, 1], [2, 3]
     assert plan == [[0, 1], [2, 3]]
-    flat = flatten(tensors, plan, dtype)
+    flat = list(flatten(tensors, plan, dtype))
     assert [f.numel() for f in flat] == [17, 15] and all(f.dtype == (dtype or torch.float32) for f in flat)
     for tensor, back in zip(tensors, unflatten(flat, specs, plan)):
         assert torch.equal(back, tensor.to(dtype or tensor.dtype))
@@ -176,7 +176,7 @@ def made_buckets(model: torch.nn.Module, made: list):
     tensors = [p.detach() for p in model.parameters()]
     for bucket in buckets(parameter_specs(model), 2**16):
         made.append(bucket)
-        yield flatten(tensors, [bucket])[0]
+        yield next(flatten(tensors, [bucket]))
 
 
 def test_the_server_dtypes_are_dtypes_an_update_can_carry():

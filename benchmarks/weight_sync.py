@@ -93,6 +93,7 @@ def time_updates(args: Args, model: str, engine: str, dtype: str, staging: str) 
         processes=ProcessArgs(threads=1),
     )
     folder = os.path.join(args.out_dir, f"{model}_{engine}_{dtype}_{staging}")
+    torch.set_num_threads(settings.torch_threads("trainer"))  # the launcher's share: more would fight gloo's threads
     with served(settings, engine, folder, args.device) as url:
         trainer_model = load_causal_lm(model).to(args.device)
         sent_dtype = served_dtype(url)

@@ -31,6 +31,7 @@ from safetensors import SafetensorError, safe_open
 
 from . import sharding
 from .cli import UserError
+from .tracking import earlier_logs
 
 T = TypeVar("T")
 
@@ -209,6 +210,23 @@ def saved(output_dir: str, accelerator) -> bool:
         found[0] = state_file(folder(output_dir), "state.pt") is not None
     broadcast_object_list(found)
     return found[0]
+
+
+def resolve_resume(resume: bool | str, found: bool, output_dir: str) -> bool:
+    """`--resume` (`cli.Resume`) as yes or no: `auto` is yes when the run in `output_dir` saved something to resume
+    (`found`: a checkpoint, or stage 2's reward model), no when the folder holds no logs, and refused when it holds
+    logs without a checkpoint (a run killed before its first save: a new run would overwrite them)."""
+    if resume != "auto":
+        return bool(resume)
+    if found:
+        return True
+    if logs := earlier_logs(output_dir):
+        raise UserError(
+            f"--resume auto: {output_dir} holds an earlier run's logs ({', '.join(logs)}) but no checkpoint to "
+            "continue them from (killed before its first save?); move those files away to start over, or start "
+            "this run in another --output-dir"
+        )
+    return False
 
 
 def load(output_dir: str, accelerator, model, optimizer) -> dict:

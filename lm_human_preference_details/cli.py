@@ -8,11 +8,18 @@ import functools
 import os
 import sys
 from collections.abc import Callable, Collection
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import tyro
 
+from .preemption import EXIT_STATUS as PREEMPTED
+from .preemption import Preempted
+
 T = TypeVar("T")
+
+Resume = bool | Literal["auto"]
+"""a stage's `--resume`: alone (True), continue the run in --output-dir from its last checkpoint; `auto`, continue it
+if it has one, else start it (a job that is requeued reruns the same command: `checkpoint.resolve_resume`)"""
 
 
 class UserError(ValueError):
@@ -52,7 +59,7 @@ def parse(
             task = arg.split("=", 1)[1]
             del argv[i]
             break
-    argv = expand_recipes(args_type, argv)
+    argv = expand_recipes(args_type, spell_resume(argv))
     task_flag = f"--task {{{','.join(presets)}}}" if presets else "--task NAME"
     description = (
         f"{description or args_type.__doc__}\n\n`{task_flag}` (default: {default_task}) picks a preset whose values "
@@ -76,6 +83,20 @@ def expand_recipes(args_type: type, argv: list[str]) -> list[str]:
         elif i and argv[i - 1] == "--recipe":
             expanded += recipe_flags(arg)
     return expanded
+
+
+def spell_resume(argv: list[str]) -> list[str]:
+    """`--resume` with no value after it as `--resume True`, `--no-resume` as `--resume False`: tyro reads a flag that
+    also takes `auto` (`Resume`) only with a value, and command lines from before `auto` give none."""
+    spelled = []
+    for i, arg in enumerate(argv):
+        if arg == "--no-resume":
+            spelled += ["--resume", "False"]
+        elif arg == "--resume" and (i + 1 == len(argv) or argv[i + 1].startswith("-")):
+            spelled += ["--resume", "True"]
+        else:
+            spelled.append(arg)
+    return spelled
 
 
 def command_of(module_globals: dict) -> str | None:
@@ -114,19 +135,20 @@ def quiet_transformers() -> None:
         sys.modules["huggingface_hub"].utils.disable_progress_bars()
 
 
-def exit_finished_rank() -> None:
-    """End this process now if it is one rank of several (WORLD_SIZE > 1), without the interpreter's teardown; a
-    stage script calls it once `main` has returned. `main_with_user_errors` destroyed the process group, but the
-    sharding engines' own threads (FSDP2's, DeepSpeed's) can still abort the teardown of a finished run ("terminate
-    called without an active exception"), as GRPO's processes avoid with the same `exit_now`."""
+def exit_finished_rank(status: int = 0) -> None:
+    """End this process now with `status` if it is one rank of several (WORLD_SIZE > 1), without the interpreter's
+    teardown; a stage script calls it once `main` has returned. `main_with_user_errors` destroyed the process group,
+    but the sharding engines' own threads (FSDP2's, DeepSpeed's) can still abort the teardown of a finished run
+    ("terminate called without an active exception"), as GRPO's processes avoid with the same `exit_now`."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         from lm_human_preference_details.grpo.lifetime import exit_now  # the standard library only
 
-        exit_now(0)
+        exit_now(status)
 
 
 def main_with_user_errors(main: Callable[[], None]) -> Callable[[], None]:
-    """Run `main`; a UserError ends the process with `error: ...` on one line and exit status 2.
+    """Run `main`; a UserError ends the process with `error: ...` on one line and exit status 2, a run stopped on a
+    signal (`Preempted`, after its checkpoint) with its line (from the first process) and `PREEMPTED`.
 
     The process group of a multi-process run is destroyed before the interpreter exits: left to the
     interpreter's teardown, gloo can abort a finished run ("terminate called without an active exception").
@@ -134,11 +156,16 @@ def main_with_user_errors(main: Callable[[], None]) -> Callable[[], None]:
 
     @functools.wraps(main)
     def wrapped():
+        preempted = False
         try:
             main()
         except UserError as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
+        except Preempted as e:
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(e, file=sys.stderr, flush=True)
+            preempted = True
         except KeyboardInterrupt:  # Ctrl-C: a run with checkpoints continues with --resume
             print("interrupted", file=sys.stderr)
             sys.exit(130)
@@ -146,5 +173,8 @@ def main_with_user_errors(main: Callable[[], None]) -> Callable[[], None]:
             torch = sys.modules.get("torch")  # a process that never imported torch has no group (nor imports it now)
             if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
                 torch.distributed.destroy_process_group()
+        if preempted:
+            exit_finished_rank(PREEMPTED)
+            sys.exit(PREEMPTED)
 
     return wrapped

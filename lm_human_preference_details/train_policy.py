@@ -13,6 +13,7 @@
             micro-batches, one optimizer step (TF-style Adam)
         KL coefficient updated from the KL averaged over all processes
         log OAI's metrics; checkpoint every `save_interval` updates and after the last
+        on SIGTERM or SIGUSR1: a checkpoint after the update in flight, then stop (preemption.py)
     save the policy (LM, value head, tokenizer) under `output_dir`/policy
 
 `python -m lm_human_preference_details.train_policy --task tiny --output-dir runs/ppo-tiny`
@@ -27,7 +28,17 @@ from dataclasses import dataclass, field
 import torch
 from accelerate.utils import broadcast_object_list, set_seed
 
-from lm_human_preference_details import checkpoint, cli, labelers, ppo, precision, sharding, tasks, train_reward
+from lm_human_preference_details import (
+    checkpoint,
+    cli,
+    labelers,
+    ppo,
+    precision,
+    preemption,
+    sharding,
+    tasks,
+    train_reward,
+)
 from lm_human_preference_details.data import format_queries
 from lm_human_preference_details.models import PolicyAndValue, RewardModel, load_causal_lm, logprobs_of
 from lm_human_preference_details.optim import OptimizerName, make_optimizer
@@ -110,8 +121,8 @@ class Args(RunArgs):
     """updates between checkpoints (0: only at the end)"""
     sample_interval: int = 10
     """updates between sample tables"""
-    resume: bool = False
-    """continue the run in output_dir from its last checkpoint"""
+    resume: cli.Resume = False
+    """continue the run in output_dir from its last checkpoint; `auto`: if it has one, else start it (cli.Resume)"""
     shard_frozen: bool = True
     """under an engine that shards parameters (FSDP2, ZeRO-3: the accelerate config), shard the frozen reference
     policy and reward model as the policy is (each forward gathers them); False: every process holds them whole"""
@@ -225,30 +236,39 @@ def forward_responses(model, contexts: torch.Tensor, responses: torch.Tensor, pa
 
 
 def reward_model_and_resume(args: Args, accelerator) -> tuple[str, bool]:
-    """The reward model's folder, and whether stage 2 resumes from a checkpoint (`args.resume` and one saved).
+    """The reward model's folder, and whether stage 2 resumes from a checkpoint (`args.resume` and one saved;
+    `--resume auto` resumes when the run saved anything: `checkpoint.resolve_resume`).
 
     Without `rewards.trained_model`, stage 1 runs first (OAI's train_new_model), in `output_dir`/reward with the
     preset's stage-1 settings and this run's task, seed and mixed precision. A resumed run takes the reward model
     that its stage 1 saved: after a kill in stage 2 the checkpoint's policy was trained against it, after a kill
-    between the stages stage 2 starts over with it; a resume with neither is refused. All processes take the path
-    the main process finds.
+    between the stages stage 2 starts over with it; a stage 1 stopped with a checkpoint of its own (preempted)
+    continues from it; a resume with none of these is refused. All processes take the path the main process finds.
     """
-    resume_from_checkpoint = args.resume and checkpoint.saved(args.output_dir, accelerator)
-    if not args.resume:  # before stage 1 trains, not after
-        refuse_to_overwrite(args.output_dir, resumable=True)
-    if args.rewards.trained_model is not None:
-        return args.rewards.trained_model, args.resume
     reward_args = train_reward.defaults_for_task(args.preset)  # OAI: launch.py#L116-L138
     reward_args.task, reward_args.seed, reward_args.mixed_precision = args.task, args.seed, args.mixed_precision
     reward_args.output_dir, reward_args.wandb_mode = os.path.join(args.output_dir, "reward"), args.wandb_mode
     reward_args.run_name = f"{args.run_name_for('policy')}_reward"
     reward_path = os.path.join(reward_args.output_dir, "reward_model")
-    trained = [False]
-    if args.resume and accelerator.is_main_process:
-        checkpoint.recover(reward_path)  # a swap killed between its renames
-        trained[0] = os.path.isdir(reward_path)  # complete: train_reward swaps it in whole
-    broadcast_object_list(trained)  # rank 0 decides, so that all processes take the same path
-    if args.resume and not trained[0]:
+    own_stage_1 = args.rewards.trained_model is None
+    # stage 2's checkpoint; stage 1's reward model; stage 1's checkpoint (rank 0 decides, so that all processes
+    # take the same path)
+    found = [False, False, False]
+    if accelerator.is_main_process:
+        found[0] = checkpoint.state_file(checkpoint.folder(args.output_dir), "state.pt") is not None
+        if own_stage_1:
+            checkpoint.recover(reward_path)  # a swap killed between its renames
+            found[1] = os.path.isdir(reward_path)  # complete: train_reward swaps it in whole
+            found[2] = checkpoint.state_file(checkpoint.folder(reward_args.output_dir), "state.pt") is not None
+    broadcast_object_list(found)
+    saved_policy, trained, stage_1_saved = found
+    resume = checkpoint.resolve_resume(args.resume, any(found), args.output_dir)
+    resume_from_checkpoint = resume and saved_policy
+    if not resume:  # before stage 1 trains, not after
+        refuse_to_overwrite(args.output_dir, resumable=True)
+    if not own_stage_1:
+        return args.rewards.trained_model, resume
+    if resume and not trained and not stage_1_saved:
         raise cli.UserError(
             f"--resume: no reward model in {reward_path}"
             + (
@@ -259,7 +279,8 @@ def reward_model_and_resume(args: Args, accelerator) -> tuple[str, bool]:
                 "or point --output-dir at the run to resume"
             )
         )
-    if not trained[0]:
+    if not (resume and trained):
+        reward_args.resume = resume and stage_1_saved
         path = train_reward.train(reward_args, accelerator)
         # stage 1's model and engine leave the accelerator: its checkpoints (accelerate's `save_state` under
         # DeepSpeed) then hold stage 2's models in the places a resumed run, which skips stage 1, has them
@@ -507,10 +528,18 @@ def train(
     args: Args, accelerator, hooks: StageHooks | None = None
 ) -> tuple[PolicyAndValue, ppo.AdaptiveKLController | ppo.FixedKLController]:
     """Run stage 2 (and stage 1 first when no reward model is given); returns the policy and its KL controller.
+    On SIGTERM or SIGUSR1 it stops after the update in flight, with a checkpoint, and raises `preemption.Preempted`.
 
     `hooks`: where queries, responses and minibatch orders come from (`StageHooks`; None: this stage's own).
     """
-    hooks = hooks or StageHooks()
+    with preemption.listening() as stop:
+        return train_until_stopped(args, accelerator, hooks or StageHooks(), stop)
+
+
+def train_until_stopped(
+    args: Args, accelerator, hooks: StageHooks, stop: preemption.StopSignals
+) -> tuple[PolicyAndValue, ppo.AdaptiveKLController | ppo.FixedKLController]:
+    """`train`, asking `stop` after each update (all processes agree) whether a signal asks the run to stop."""
     validate(args, accelerator.num_processes)
     precision.check_accelerator(accelerator, args.mixed_precision)
     requested = checkpoint.settings(args)  # as given: the reward model's path, filled in below, follows output_dir
@@ -534,6 +563,10 @@ def train(
     start_update = resume_loop(args, accelerator, model, optimizer, kl_ctl, sampler, requested) if args.resume else 1
     tracker = Tracker.for_run(args, "policy", accelerator, resume_after_step=start_update - 1 if args.resume else None)
     num_updates = sizes.num_updates
+    if signal_name := stop.agreed(accelerator):  # received while stage 1 ran or the models loaded
+        save_loop(args, accelerator, model, optimizer, start_update - 1, kl_ctl, sampler, requested)
+        tracker.finish()
+        raise preemption.stopped(start_update - 1, num_updates, "update", signal_name)
     bar = progress_bar(
         num_updates, "PPO updates", "update", enabled=accelerator.is_main_process, initial=start_update - 1
     )
@@ -572,8 +605,13 @@ def train(
             )
         if update % args.sample_interval == 0 or update in (1, num_updates):
             log_samples(tracker, update, batch, tokenizer)
-        if (args.save_interval and update % args.save_interval == 0) or update == num_updates:
+        signal_name = stop.agreed(accelerator)
+        if (args.save_interval and update % args.save_interval == 0) or update == num_updates or signal_name:
             save_loop(args, accelerator, model, optimizer, update, kl_ctl, sampler, requested)
+        if signal_name and update < num_updates:
+            bar.close()
+            tracker.finish()
+            raise preemption.stopped(update, num_updates, "update", signal_name)
     bar.close()
 
     save_policy(os.path.join(args.output_dir, "policy"), model, tokenizer, accelerator)

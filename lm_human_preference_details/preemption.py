@@ -50,7 +50,8 @@ class StopSignals:
             signal.raise_signal(signum)
             return
         self.received = signum
-        os.write(2, f"\n{signal.Signals(signum).name}: stopping after this update, with a checkpoint\n".encode())
+        name = signal.Signals(signum).name
+        os.write(2, f"\n{name}: stopping after this step, with a checkpoint ({name} again: at once)\n".encode())
 
     def agreed(self, accelerator) -> str | None:
         """The name of a signal any process received (the largest number of those), or None: the same answer on

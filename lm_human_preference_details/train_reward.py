@@ -5,6 +5,8 @@
                       that they score N(0, 1)
     one epoch over the first `num_train` labels, LR annealed linearly to 0:
         loss = cross-entropy of softmax(r(q, y_0..y_N-1)) against `best`
+    checkpoint every `save_interval` steps and after the last; on SIGTERM or SIGUSR1 after the step in flight,
+    then stop (preemption.py)
     held-out accuracy on the `num_test` labels after them
     normalize after:  the same again, so the KL coefficient of stage 2 keeps its meaning
     save the reward model (safetensors + config) for train_policy.py
@@ -23,7 +25,7 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
-from lm_human_preference_details import checkpoint, cli, labelers, precision, sharding, tasks
+from lm_human_preference_details import checkpoint, cli, labelers, precision, preemption, sharding, tasks
 from lm_human_preference_details.data import Labels, QuerySampler, format_queries, load_labels, write_labels
 from lm_human_preference_details.make_labels import make_labels
 from lm_human_preference_details.models import RewardModel, load_causal_lm
@@ -59,7 +61,16 @@ class Args(RunArgs):
     debug_normalize: int = 0
     """reference samples that re-measure mean and std after normalizing (0: do not)"""
     output_dir: str = "runs/reward"
-    """metrics.jsonl, args.json, labels made on the spot, and the trained model under reward_model/"""
+    """metrics.jsonl, args.json, labels made on the spot, checkpoint/, and the trained model under reward_model/"""
+    save_interval: int = 0
+    """steps between checkpoints (0: only after the last, or when a signal stops the run: preemption.py)"""
+    resume: cli.Resume = False
+    """continue the run in output_dir from its last checkpoint; `auto`: if it has one, else start it (cli.Resume)"""
+
+
+MAY_CHANGE_ON_RESUME = {"resume", "save_interval", "output_dir", "wandb_mode", "wandb_project", "run_name"}
+"""what a resumed run may set otherwise; the rest of its settings must be the checkpoint's
+(`checkpoint.check_same_settings`)"""
 
 
 def defaults_for_task(name: str) -> Args:
@@ -79,7 +90,15 @@ def validate(args: Args, world_size: int) -> None:
             "adam_eps": args.adam_eps,
         },
     )
-    cli.require(0, {"labels.num_test": args.labels.num_test, "debug_normalize": args.debug_normalize}, strictly=False)
+    cli.require(
+        0,
+        {
+            "labels.num_test": args.labels.num_test,
+            "debug_normalize": args.debug_normalize,
+            "save_interval": args.save_interval,
+        },
+        strictly=False,
+    )
     if args.labels.num_train <= 0 or args.labels.num_train % args.batch_size:
         raise cli.UserError(
             f"labels.num_train={args.labels.num_train} must be a positive multiple of batch_size={args.batch_size}"
@@ -147,12 +166,9 @@ def reference_reward_stats(
     return float(mean), float(torch.sqrt(sums[1] / sums[2] - mean**2))
 
 
-def reference_reward_measure(
-    args: Args, reward_model, ref_lm, tokenizer, accelerator, hooks: StageHooks
-) -> Callable[[int | None], tuple[float, float]]:
-    """`normalize`'s measure: `reference_reward_stats` of a number of samples (None: `normalize_samples`), from a
-    query stream of its own (`hooks.query_sampler`) and responses that `hooks.sample` draws."""
-    sampler = hooks.query_sampler(
+def reference_query_sampler(args: Args, tokenizer, accelerator, hooks: StageHooks):
+    """The query stream of `normalize`'s reference samples (`hooks.query_sampler`), this process's share of it."""
+    return hooks.query_sampler(
         args.task,
         tokenizer,
         batch_size=args.rollout_batch_size // accelerator.num_processes,
@@ -160,6 +176,13 @@ def reference_reward_measure(
         rank=accelerator.process_index,
         world_size=accelerator.num_processes,
     )
+
+
+def reference_reward_measure(
+    args: Args, reward_model, ref_lm, tokenizer, accelerator, hooks: StageHooks, sampler
+) -> Callable[[int | None], tuple[float, float]]:
+    """`normalize`'s measure: `reference_reward_stats` of a number of samples (None: `normalize_samples`), from
+    `sampler` (`reference_query_sampler`) and responses that `hooks.sample` draws."""
 
     def measure(num_samples: int | None) -> tuple[float, float]:
         return reference_reward_stats(
@@ -203,8 +226,9 @@ def normalize(reward_model, measure, debug_samples: int, tracker: Tracker, step:
     tracker.log(step, stats)
 
 
-def obtain_labels(args: Args, tokenizer, ref_lm, accelerator) -> Labels:
-    """The label file, or labels made on the spot by the main process with `labels.labeler`."""
+def obtain_labels(args: Args, tokenizer, ref_lm, accelerator, resume: bool = False) -> Labels:
+    """The label file, or labels made on the spot by the main process with `labels.labeler` (a resumed run reads
+    those the run made, which its checkpoint comes after)."""
     label_kwargs = dict(
         num_responses=args.labels.num_responses,
         query_length=args.task.query_length,
@@ -215,7 +239,7 @@ def obtain_labels(args: Args, tokenizer, ref_lm, accelerator) -> Labels:
     source = args.labels.source
     if source is None:
         source = os.path.join(args.output_dir, "labels.json")
-        if accelerator.is_main_process:
+        if accelerator.is_main_process and not resume:
             needed = args.labels.num_train + args.labels.num_test
             accelerator.print(f"making {needed} labels with the {args.labels.labeler!r} labeler")
             # its own query stream, so that labels and normalization samples do not share queries
@@ -259,39 +283,82 @@ def initial_reward_model(args: Args, accelerator: Accelerator) -> RewardModel:
     return reward_model
 
 
+def resume_steps(args: Args, accelerator, model, optimizer, sampler, requested: dict) -> int:
+    """Restore the last checkpoint into the model (gain and bias normalized before training included), the optimizer
+    and the reference query stream (its settings must be `requested`, but for `MAY_CHANGE_ON_RESUME`); the step to
+    continue from."""
+    loop = checkpoint.load(args.output_dir, accelerator, model, optimizer)
+    where = checkpoint.folder(args.output_dir)
+    checkpoint.check_same_settings(loop.get("settings"), requested, MAY_CHANGE_ON_RESUME, where)
+    sampler.skip(loop["sampler_batches"])
+    accelerator.print(f"resumed after step {loop['update']}")
+    return loop["update"] + 1
+
+
+def save_steps(args: Args, accelerator, model, optimizer, step: int, sampler, requested: dict) -> None:
+    """A checkpoint after `step`, with what `resume_steps` restores."""
+    loop_state = {
+        "update": step,
+        "sampler_batches": sampler.batches_drawn,
+        "world_size": accelerator.num_processes,
+        "settings": requested,
+    }
+    checkpoint.save(args.output_dir, accelerator, model, optimizer, loop_state)
+
+
 def train(args: Args, accelerator: Accelerator, hooks: StageHooks | None = None) -> str:
-    """Run stage 1; returns the folder of the trained reward model.
+    """Run stage 1; returns the folder of the trained reward model. On SIGTERM or SIGUSR1 it stops after the step
+    in flight, with a checkpoint, and raises `preemption.Preempted`.
 
     `hooks`: where the normalization's queries and responses and the labels' order come from (`StageHooks`;
     None: this stage's own).
     """
-    hooks = hooks or StageHooks()
+    with preemption.listening() as stop:
+        return train_until_stopped(args, accelerator, hooks or StageHooks(), stop)
+
+
+def train_until_stopped(args: Args, accelerator: Accelerator, hooks: StageHooks, stop: preemption.StopSignals) -> str:
+    """`train`, asking `stop` after each step (all processes agree) whether a signal asks the run to stop."""
     validate(args, accelerator.num_processes)
     precision.check_accelerator(accelerator, args.mixed_precision)
+    requested = checkpoint.settings(args)
+    resume = checkpoint.resolve_resume(args.resume, checkpoint.saved(args.output_dir, accelerator), args.output_dir)
     reward_model = initial_reward_model(args, accelerator)
     tokenizer = load_tokenizer(args.task.base_model)
     tasks.check_truncate_token(args.task, len(tokenizer))  # before the run's files and wandb run exist
-    tracker = Tracker.for_run(args, "reward", accelerator)
+    # a new run's tracker refuses an earlier run's logs before any work; a resumed run's continues them after its
+    # checkpoint's step, known once the checkpoint is loaded
+    tracker = None if resume else Tracker.for_run(args, "reward", accelerator)
     device = accelerator.device
     pad_id = tokenizer.oai_pad_token_id
     ref_lm = load_causal_lm(args.task.base_model).to(device).requires_grad_(False)
-    labels = obtain_labels(args, tokenizer, ref_lm, accelerator)
+    labels = obtain_labels(args, tokenizer, ref_lm, accelerator, resume)
     train_labels = labels[: args.labels.num_train]
     test_labels = labels[args.labels.num_train : args.labels.num_train + args.labels.num_test]
-    measure = reference_reward_measure(args, reward_model, ref_lm, tokenizer, accelerator, hooks)
-    if args.normalize_before:  # OAI: lm_human_preferences/train_reward.py#L232-L234
+    sampler = reference_query_sampler(args, tokenizer, accelerator, hooks)
+    measure = reference_reward_measure(args, reward_model, ref_lm, tokenizer, accelerator, hooks, sampler)
+    if args.normalize_before and not resume:  # OAI: lm_human_preferences/train_reward.py#L232-L234
         normalize(reward_model, measure, args.debug_normalize, tracker, 0, "before", accelerator)
 
     optimizer = make_optimizer(args.optimizer, reward_model.parameters(), args.lr, args.adam_eps)
     model, optimizer = sharding.prepare(
         accelerator, reward_model, optimizer, args.batch_size // accelerator.num_processes
     )
+    start_step = 1
+    if resume:
+        start_step = resume_steps(args, accelerator, model, optimizer, sampler, requested)
+        tracker = Tracker.for_run(args, "reward", accelerator, resume_after_step=start_step - 1)
     # one shuffle shared by all processes, so each label is trained on exactly once
     # OAI: lm_human_preferences/train_reward.py#L240-L241
     order = hooks.permutation(args.labels.num_train, generator=torch.Generator().manual_seed(args.seed))
     num_steps = args.labels.num_train // args.batch_size
-    bar = progress_bar(num_steps, "reward model", "batch", enabled=accelerator.is_main_process)
-    for step, start in enumerate(range(0, args.labels.num_train, args.batch_size), start=1):
+    if signal_name := stop.agreed(accelerator):  # received while the labels were made or the reward normalized
+        save_steps(args, accelerator, model, optimizer, start_step - 1, sampler, requested)
+        tracker.finish()
+        raise preemption.stopped(start_step - 1, num_steps, "step", signal_name)
+    bar = progress_bar(num_steps, "reward model", "batch", enabled=accelerator.is_main_process, initial=start_step - 1)
+    for step in range(start_step, num_steps + 1):
+        start = (step - 1) * args.batch_size
         lr = (1 - start / args.labels.num_train) * args.lr  # OAI: lm_human_preferences/train_reward.py#L249
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -311,6 +378,13 @@ def train(args: Args, accelerator: Accelerator, hooks: StageHooks | None = None)
         bar.update()
         if (step % max(1, num_steps // 10) == 0 or step == num_steps) and accelerator.is_local_main_process:
             bar.write(f"step {step}/{num_steps}  loss {float(stats[0]):.4f}  accuracy {float(stats[1]):.3f}")
+        signal_name = stop.agreed(accelerator)
+        if (args.save_interval and step % args.save_interval == 0) or step == num_steps or signal_name:
+            save_steps(args, accelerator, model, optimizer, step, sampler, requested)
+        if signal_name and step < num_steps:
+            bar.close()
+            tracker.finish()
+            raise preemption.stopped(step, num_steps, "step", signal_name)
     bar.close()
 
     if len(test_labels):

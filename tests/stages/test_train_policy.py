@@ -12,11 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lm_human_preference_details import sharding, train_policy
+from lm_human_preference_details import cli, sharding, train_policy
 from lm_human_preference_details.models import PolicyAndValue, RewardModel, load_causal_lm
 from lm_human_preference_details.text import load_tokenizer
 from lm_human_preference_details.tracking import read_metrics
-from tests.conftest import accelerate_two_processes, kill_with_descendants
+from tests.conftest import accelerate_two_processes, alive, command_line, descendants
 
 QUIET = ("--wandb-mode", "disabled")
 
@@ -64,8 +64,9 @@ def test_tiny_preset_end_to_end_score_rises_and_kl_tracks_target(tmp_path):
 
 @pytest.mark.slow
 def test_two_processes_keep_weights_and_kl_coef_identical(tmp_path, tiny_reward_model):
-    """Two DDP processes end with the same weights and KL coefficient, and a killed run resumes to them bitwise on
-    each process (each CPU process's device under accelerate is `cpu:<rank>`, which torch.load could not restore a
+    """Two DDP processes end with the same weights and KL coefficient. SIGTERM to the launcher (which forwards it to
+    each rank) stops both after the same update with one checkpoint, and the run resumes to them bitwise on each
+    process (each CPU process's device under accelerate is `cpu:<rank>`, which torch.load could not restore a
     checkpoint onto)."""
     script = os.path.join(os.path.dirname(__file__), "policy_on_ranks.py")
     flags = ["--task", "tiny", "--rewards.trained-model", tiny_reward_model, "--ppo.total-episodes", str(64 * 4)]
@@ -86,21 +87,16 @@ def test_two_processes_keep_weights_and_kl_coef_identical(tmp_path, tiny_reward_
 
     killed = tmp_path / "killed_run"
     process = subprocess.Popen(
-        launch(tmp_path / "killed", killed), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        launch(tmp_path / "killed", killed), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )
-    deadline = time.time() + 300
-    while time.time() < deadline and process.poll() is None:
-        if (killed / "metrics.jsonl").exists() and any(m["step"] == 2 for m in read_metrics(killed / "metrics.jsonl")):
-            kill_with_descendants(process)  # the launcher and both ranks, after update 1's checkpoint
-            break
-        time.sleep(0.05)
-    process.wait(timeout=60)
-    assert process.returncode == -signal.SIGKILL, "the run ended before it could be killed"
-    logged = [m["step"] for m in read_metrics(killed / "metrics.jsonl")]
-    assert logged[-1] < 4, logged  # the ranks died too, before the end
+    signalled_after, ranks = signal_after_update(process, killed / "metrics.jsonl", 1)
+    _, err = process.communicate(timeout=120)
+    stopped_at = assert_stopped_on_sigterm(err, killed, signalled_after, num_updates=4)
+    assert process.returncode == 1, err[-3000:]  # torch's launcher re-raises the signal it forwarded
+    assert not alive(ranks), [command_line(pid) for pid in alive(ranks)]  # both ranks ended on their own
 
-    resumed = run(launch(tmp_path / "killed", killed, "--resume"))
-    assert re.search(r"^resumed after update [123]$", resumed.stdout, re.MULTILINE), resumed.stdout[-2000:]
+    resumed = run(launch(tmp_path / "killed", killed, "--resume", "auto"))
+    assert re.search(f"^resumed after update {stopped_at}$", resumed.stdout, re.MULTILINE), resumed.stdout[-2000:]
     for rank, straight in enumerate((rank0, rank1)):
         after_resume = load_file(tmp_path / "killed" / f"rank{rank}.safetensors")
         assert straight.keys() == after_resume.keys()
@@ -127,11 +123,24 @@ def test_killed_run_resumes_to_the_same_weights(tmp_path, tiny_reward_model, mon
     ]
     run(policy_cmd(*common, "--output-dir", str(tmp_path / "straight")))
 
+    # SIGTERM after update 1: the run stops after the update in flight, with a checkpoint of it
     killed = tmp_path / "killed"
+    metrics_path = killed / "metrics.jsonl"
     process = subprocess.Popen(
         policy_cmd(*common, "--output-dir", str(killed)), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )
-    metrics_path = killed / "metrics.jsonl"
+    signalled_after, _ = signal_after_update(process, metrics_path, 1)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == cli.PREEMPTED, err[-3000:]
+    assert_stopped_on_sigterm(err, killed, signalled_after, num_updates=4)
+
+    # the same command with --resume auto continues it; SIGKILL after update 3 leaves update 2's checkpoint
+    process = subprocess.Popen(
+        policy_cmd(*common, "--output-dir", str(killed), "--resume", "auto"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 300
     while time.time() < deadline and process.poll() is None:
         if metrics_path.exists() and any(m["step"] == 3 for m in read_metrics(metrics_path)):
@@ -266,6 +275,61 @@ def test_reward_model_from_another_tokenizer_is_refused(tmp_path, tiny_reward_mo
 )
 def test_bad_arguments_are_one_clear_line(tmp_path, monkeypatch, capsys, flags, message):
     assert_one_line_error(monkeypatch, capsys, ["--task", "tiny", *flags, "--output-dir", str(tmp_path)], message)
+
+
+def signal_after_update(process: subprocess.Popen, metrics_path, update: int) -> tuple[int, dict[int, str]]:
+    """SIGTERM to `process` once its metrics hold `update`; the last update logged then, and the processes below
+    it (a launcher's ranks) as they were."""
+    deadline = time.time() + 300
+    while time.time() < deadline and process.poll() is None:
+        logged = [m["step"] for m in read_metrics(metrics_path)] if metrics_path.exists() else []
+        if logged and logged[-1] >= update:
+            below = descendants(process.pid)
+            process.send_signal(signal.SIGTERM)
+            return logged[-1], below
+        time.sleep(0.02)
+    raise AssertionError(f"the run ended before update {update} (status {process.poll()})")
+
+
+def assert_stopped_on_sigterm(err: str, output_dir, signalled_after: int, num_updates: int) -> int:
+    """The run stopped after the update in flight when it was signalled (or the one logged just before), saying so
+    in its last line, with its logs and checkpoint at that update; that update."""
+    found = re.search(r"^stopped at update (\d+) of (\d+) on SIGTERM: rerun with --resume$", err, re.MULTILINE)
+    assert found and int(found[2]) == num_updates, err[-3000:]
+    stopped_at = int(found[1])
+    assert signalled_after <= stopped_at <= signalled_after + 1 and stopped_at < num_updates, (
+        signalled_after,
+        err[-300:],
+    )
+    assert [m["step"] for m in read_metrics(output_dir / "metrics.jsonl")] == list(range(1, stopped_at + 1))
+    state = torch.load(output_dir / "checkpoint" / "state.pt", weights_only=False)
+    assert state["loop"]["update"] == stopped_at and not (output_dir / "policy").exists()
+    return stopped_at
+
+
+def test_resume_auto_starts_an_empty_folder_continues_a_saved_one_and_refuses_logs_alone(
+    tmp_path, tiny_reward_model, monkeypatch, capsys
+):
+    """What a requeued job's unchanged command meets: nothing yet, its own checkpoint, or logs whose checkpoint is
+    gone (refused, as a new run would overwrite them)."""
+    argv = ["--task", "tiny", "--rewards.trained-model", tiny_reward_model, "--ppo.total-episodes", "64"]
+    argv += ["--output-dir", str(tmp_path), "--resume", "auto", *QUIET]
+    monkeypatch.setattr(sys, "argv", ["train_policy", *argv])
+    train_policy.main()
+    out = capsys.readouterr().out
+    assert "resumed" not in out and [m["step"] for m in read_metrics(tmp_path / "metrics.jsonl")] == [1]
+    train_policy.main()
+    assert re.search(r"^resumed after update 1$", capsys.readouterr().out, re.MULTILINE)
+    assert [m["step"] for m in read_metrics(tmp_path / "metrics.jsonl")] == [1]
+
+    shutil.rmtree(tmp_path / "checkpoint")
+    assert_one_line_error(
+        monkeypatch,
+        capsys,
+        argv[:-2],
+        f"--resume auto: {tmp_path} holds an earlier run's logs ({tmp_path}/metrics.jsonl, {tmp_path}/samples.jsonl) "
+        "but no checkpoint",
+    )
 
 
 def assert_one_line_error(monkeypatch, capsys, argv, message):

@@ -3,6 +3,7 @@
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 
@@ -50,6 +51,78 @@ def test_ctrl_c_ends_a_stage_with_one_line_and_status_130(capsys):
     with pytest.raises(SystemExit) as exit_info:
         interrupted()
     assert exit_info.value.code == 130 and capsys.readouterr().err == "interrupted\n"
+
+
+@pytest.mark.parametrize(
+    "flags, resume",
+    [
+        ([], False),
+        (["--resume"], True),
+        (["--resume", "--seed", "3"], True),
+        (["--no-resume"], False),
+        (["--resume", "auto"], "auto"),
+        (["--resume=auto"], "auto"),
+    ],
+)
+def test_resume_alone_means_yes_as_before_and_takes_auto(flags, resume):
+    """`--resume` alone and `--no-resume`, from before it took `auto`, keep their meaning (tyro alone refuses
+    `--resume` without a value)."""
+    from lm_human_preference_details import cli, train_policy, train_reward
+
+    for stage in (train_policy, train_reward):
+        args = cli.parse(stage.Args, stage.defaults_for_task, default_task="tiny", argv=flags)
+        assert args.resume == resume, (stage.__name__, args.resume)
+
+
+def test_a_preempted_stage_prints_its_line_and_exits_with_the_preempted_status(capsys):
+    from lm_human_preference_details import cli, preemption
+
+    @cli.main_with_user_errors
+    def preempted():
+        raise preemption.stopped(8, 30, "update", "SIGTERM")
+
+    with pytest.raises(SystemExit) as exit_info:
+        preempted()
+    assert exit_info.value.code == cli.PREEMPTED == 75
+    assert capsys.readouterr().err == "stopped at update 8 of 30 on SIGTERM: rerun with --resume\n"
+
+
+LISTEN_THEN_SPIN = """
+import sys, time
+from lm_human_preference_details import preemption
+
+with preemption.listening() as stop:
+    print("listening", flush=True)
+    while not stop.received:
+        time.sleep(0.01)
+    print(f"received {stop.received}", flush=True)
+    time.sleep(60)  # a second signal ends it before this does
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
+def test_the_first_signal_asks_to_stop_and_the_second_ends_the_process(tmp_path, signum):
+    script = tmp_path / "listen.py"
+    script.write_text(LISTEN_THEN_SPIN)
+    process = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert process.stdout.readline() == "listening\n"
+    process.send_signal(signum)
+    assert process.stdout.readline() == f"received {int(signum)}\n"  # alive: it only took note
+    process.send_signal(signum)
+    process.wait(timeout=30)
+    assert process.returncode == -signum  # as the signal ends a process without handlers
+    err = process.stderr.read()
+    assert f"{signum.name} again: exiting now, without a checkpoint" in err, err
+
+
+def test_listening_puts_the_previous_handlers_back():
+    from lm_human_preference_details import preemption
+
+    before = {signum: signal.getsignal(signum) for signum in preemption.SIGNALS}
+    with preemption.listening() as outer, preemption.listening() as inner:
+        assert inner is outer  # stage 1 inside stage 2 shares its handlers
+        assert signal.getsignal(signal.SIGTERM) == outer._handle
+    assert {signum: signal.getsignal(signum) for signum in preemption.SIGNALS} == before
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="lists native threads through Linux's /proc")

@@ -140,6 +140,22 @@ def kill_with_descendants(process: subprocess.Popen, timeout_s: float = 60) -> N
         time.sleep(0.05)
 
 
+def signal_once_logged(process: subprocess.Popen, metrics_path, step: int) -> tuple[int, dict[int, str]]:
+    """SIGTERM to a stage's `process` once its metrics.jsonl (`metrics_path`) holds `step`; the last step logged then,
+    and the processes below it (a launcher's ranks) as they were."""
+    from lm_human_preference_details.tracking import read_metrics
+
+    deadline = time.time() + 300
+    while time.time() < deadline and process.poll() is None:
+        logged = [m["step"] for m in read_metrics(metrics_path)] if metrics_path.exists() else []
+        if logged and logged[-1] >= step:
+            below = descendants(process.pid)
+            process.send_signal(signal.SIGTERM)
+            return logged[-1], below
+        time.sleep(0.02)
+    raise AssertionError(f"the run ended before step {step} (status {process.poll()})")
+
+
 def accelerate_two_processes(config_file: str | None = None) -> tuple[str, ...]:
     """`accelerate launch` of two processes as a user runs it without a GPU (they train on the CPU over gloo): DDP,
     or the engine of an accelerate config (`config_file`, one of configs/accelerate/).

@@ -16,7 +16,7 @@ from lm_human_preference_details import cli, sharding, train_policy
 from lm_human_preference_details.models import PolicyAndValue, RewardModel, load_causal_lm
 from lm_human_preference_details.text import load_tokenizer
 from lm_human_preference_details.tracking import read_metrics
-from tests.conftest import accelerate_two_processes, alive, command_line, descendants
+from tests.conftest import accelerate_two_processes, alive, command_line, signal_once_logged
 
 QUIET = ("--wandb-mode", "disabled")
 
@@ -89,7 +89,7 @@ def test_two_processes_keep_weights_and_kl_coef_identical(tmp_path, tiny_reward_
     process = subprocess.Popen(
         launch(tmp_path / "killed", killed), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )
-    signalled_after, ranks = signal_after_update(process, killed / "metrics.jsonl", 1)
+    signalled_after, ranks = signal_once_logged(process, killed / "metrics.jsonl", 1)
     _, err = process.communicate(timeout=120)
     stopped_at = assert_stopped_on_sigterm(err, killed, signalled_after, num_updates=4)
     assert process.returncode == 1, err[-3000:]  # torch's launcher re-raises the signal it forwarded
@@ -129,7 +129,7 @@ def test_killed_run_resumes_to_the_same_weights(tmp_path, tiny_reward_model, mon
     process = subprocess.Popen(
         policy_cmd(*common, "--output-dir", str(killed)), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )
-    signalled_after, _ = signal_after_update(process, metrics_path, 1)
+    signalled_after, _ = signal_once_logged(process, metrics_path, 1)
     _, err = process.communicate(timeout=120)
     assert process.returncode == cli.PREEMPTED, err[-3000:]
     assert_stopped_on_sigterm(err, killed, signalled_after, num_updates=4)
@@ -275,20 +275,6 @@ def test_reward_model_from_another_tokenizer_is_refused(tmp_path, tiny_reward_mo
 )
 def test_bad_arguments_are_one_clear_line(tmp_path, monkeypatch, capsys, flags, message):
     assert_one_line_error(monkeypatch, capsys, ["--task", "tiny", *flags, "--output-dir", str(tmp_path)], message)
-
-
-def signal_after_update(process: subprocess.Popen, metrics_path, update: int) -> tuple[int, dict[int, str]]:
-    """SIGTERM to `process` once its metrics hold `update`; the last update logged then, and the processes below
-    it (a launcher's ranks) as they were."""
-    deadline = time.time() + 300
-    while time.time() < deadline and process.poll() is None:
-        logged = [m["step"] for m in read_metrics(metrics_path)] if metrics_path.exists() else []
-        if logged and logged[-1] >= update:
-            below = descendants(process.pid)
-            process.send_signal(signal.SIGTERM)
-            return logged[-1], below
-        time.sleep(0.02)
-    raise AssertionError(f"the run ended before update {update} (status {process.poll()})")
 
 
 def assert_stopped_on_sigterm(err: str, output_dir, signalled_after: int, num_updates: int) -> int:

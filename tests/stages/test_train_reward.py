@@ -3,20 +3,22 @@
 import contextlib
 import json
 import math
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from lm_human_preference_details import train_reward
+from lm_human_preference_details import cli, train_reward
 from lm_human_preference_details.data import QuerySampler
 from lm_human_preference_details.models import RewardModel, load_causal_lm
 from lm_human_preference_details.sampling import sample_responses
 from lm_human_preference_details.tasks import get_preset
 from lm_human_preference_details.text import load_tokenizer
 from lm_human_preference_details.tracking import read_metrics
-from tests.conftest import accelerate_two_processes
+from tests.conftest import accelerate_two_processes, signal_once_logged
 
 
 def run_stage(
@@ -94,6 +96,47 @@ def test_two_processes_over_gloo(tmp_path):
     assert [m["step"] for m in metrics if "train/loss" in m] == list(range(1, 512 // 32 + 1))
     assert all(math.isfinite(m["train/loss"]) for m in metrics if "train/loss" in m)
     assert RewardModel.load(str(out / "reward_model")) is not None
+
+
+SMALL = ["--task", "tiny", "--labels.num-train", "128", "--labels.num-test", "0", "--batch-size", "16"]
+SMALL += ["--normalize-samples", "64", "--rollout-batch-size", "64", "--wandb-mode", "disabled"]
+"""the tiny preset cut to 8 steps of 16 labels, for the runs that test mechanics, not learning"""
+
+
+@pytest.mark.slow
+def test_a_signalled_run_stops_after_its_step_with_a_checkpoint_and_resumes_bitwise(tmp_path, monkeypatch):
+    """SIGTERM during training: the run stops after the step in flight with status 75, its line and a checkpoint
+    of that step; --resume then ends with the reward model of a run never stopped (its labels, made on the spot,
+    read back; its normalization before training not redone), and every step logged once. Those two runs in this
+    process, to save their start-up."""
+    signalled = tmp_path / "signalled"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "lm_human_preference_details.train_reward", *SMALL, "--output-dir", str(signalled)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    signalled_after, _ = signal_once_logged(process, signalled / "metrics.jsonl", 2)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == cli.PREEMPTED, err[-3000:]
+    found = re.search(r"^stopped at step (\d+) of 8 on SIGTERM: rerun with --resume$", err, re.MULTILINE)
+    assert found and signalled_after <= int(found[1]) <= signalled_after + 1 < 8, err[-3000:]
+    stopped_at = int(found[1])
+    assert [m["step"] for m in read_metrics(signalled / "metrics.jsonl")] == list(range(stopped_at + 1))  # 0: norm
+    assert torch.load(signalled / "checkpoint" / "state.pt", weights_only=False)["loop"]["update"] == stopped_at
+    assert not (signalled / "reward_model").exists()
+
+    for argv in (
+        [*SMALL, "--output-dir", str(tmp_path / "straight")],
+        [*SMALL, "--output-dir", str(signalled), "--resume"],
+    ):
+        monkeypatch.setattr(sys, "argv", ["train_reward", *argv])
+        train_reward.main()
+    for name in ("model.safetensors", RewardModel.HEAD_FILE):
+        straight = load_file(tmp_path / "straight" / "reward_model" / name)
+        resumed = load_file(signalled / "reward_model" / name)
+        assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight), name
+    assert read_metrics(signalled / "metrics.jsonl") == read_metrics(tmp_path / "straight" / "metrics.jsonl")
 
 
 def bad_label_file(tmp_path, text: str) -> str:

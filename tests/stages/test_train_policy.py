@@ -237,6 +237,29 @@ def test_a_run_killed_in_or_after_its_own_stage_1_resumes_where_it_can(
     assert [m["step"] for m in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2] and (tmp_path / "policy").exists()
 
 
+@pytest.mark.parametrize("resume", [True, "auto"])
+def test_a_resume_continues_its_own_stage_1_from_the_checkpoint_a_signal_left(tmp_path, monkeypatch, resume):
+    """Stage 1 inside stage 2, stopped by a signal, left its checkpoint and no reward model: --resume (and
+    --resume auto) continues stage 1 from it, where an empty folder starts it afresh. Stage 1 itself is left out
+    here (its tiny preset trains for a minute; test_train_reward resumes it bitwise)."""
+    resumed_stage_1 = []
+
+    def stage_1(reward_args, accelerator):
+        resumed_stage_1.append(reward_args.resume)
+        return os.path.join(reward_args.output_dir, "reward_model")
+
+    monkeypatch.setattr(train_policy.train_reward, "train", stage_1)
+    args = train_policy.defaults_for_task("tiny")
+    args.output_dir, args.resume = str(tmp_path), resume
+    accelerator = sharding.make_accelerator()
+    if resume == "auto":
+        assert train_policy.reward_model_and_resume(args, accelerator) == (f"{tmp_path}/reward/reward_model", False)
+    (tmp_path / "reward" / "checkpoint").mkdir(parents=True)
+    (tmp_path / "reward" / "checkpoint" / "state.pt").write_bytes(b"")
+    assert train_policy.reward_model_and_resume(args, accelerator) == (f"{tmp_path}/reward/reward_model", False)
+    assert resumed_stage_1 == ([False, True] if resume == "auto" else [True])
+
+
 def test_reward_model_from_another_tokenizer_is_refused(tmp_path, tiny_reward_model, monkeypatch, capsys):
     foreign = tmp_path / "foreign"
     RewardModel.load(tiny_reward_model).save(str(foreign))

@@ -125,6 +125,37 @@ def test_listening_puts_the_previous_handlers_back():
     assert {signum: signal.getsignal(signum) for signum in preemption.SIGNALS} == before
 
 
+# rank 1 alone receives the signal, between two questions that both ranks ask
+AGREE_ON_A_SIGNAL_ONE_RANK_RECEIVED = """
+import os, signal
+from lm_human_preference_details import cli, preemption, sharding
+
+@cli.main_with_user_errors
+def main():
+    accelerator = sharding.make_accelerator()
+    with preemption.listening() as stop:
+        before = stop.agreed(accelerator)
+        if accelerator.process_index == 1:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        after = stop.agreed(accelerator)
+    print(f"rank {accelerator.process_index}: {before} then {after}", flush=True)
+
+main()
+cli.exit_finished_rank()
+"""
+
+
+def test_every_rank_stops_on_a_signal_that_only_one_received(tmp_path):
+    """torch's launcher forwards its signal to the ranks one after another and Slurm's may reach only some: every
+    rank must stop after the same update, or the others would wait in the next update's collectives for good."""
+    script = tmp_path / "agree.py"
+    script.write_text(AGREE_ON_A_SIGNAL_ONE_RANK_RECEIVED)
+    result = subprocess.run([*accelerate_two_processes(), str(script)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-5000:]
+    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank "))
+    assert lines == ["rank 0: None then SIGUSR1", "rank 1: None then SIGUSR1"], result.stdout[-3000:]
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="lists native threads through Linux's /proc")
 def test_a_finished_two_process_run_leaves_no_gloo_thread_to_the_interpreter_teardown(tmp_path):
     """gloo threads alive in the teardown can abort a finished run (SIGABRT) once in many runs; none may be left."""

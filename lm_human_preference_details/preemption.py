@@ -2,7 +2,9 @@
 
 The first signal only sets a flag (`StopSignals`); the stage's loop asks `agreed` once per update, checkpoints and
 raises `Preempted`, which the entry point (`cli.main_with_user_errors`) prints as one line before it exits with
-`EXIT_STATUS`. A second signal ends the process at once, as the signal would without us.
+`EXIT_STATUS`. A second signal ends the process at once, as the signal would without us; one within `SAME_REQUEST_S`
+of the first is the same request delivered twice (Slurm signals every process of a job step, and torch's launcher,
+one of them, forwards its own SIGTERM to its ranks).
 
 Under `accelerate launch` the signal may reach the processes at different moments (torch's launcher forwards its
 SIGTERM to each rank in turn; Slurm signals every process of a step itself), or only some of them: `agreed` takes the
@@ -17,6 +19,7 @@ import contextlib
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 
 EXIT_STATUS = 75
@@ -30,26 +33,34 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 `sbatch --signal=USR1@120` (Ctrl-C, SIGINT, stays an immediate KeyboardInterrupt)"""
 
 
+SAME_REQUEST_S = 1.0
+"""a second signal this soon after the first is the first one again (torch's launcher forwards within milliseconds)"""
+
+
 class Preempted(Exception):
     """The run stopped on a signal after its checkpoint; the message is the line the user sees."""
 
 
 class StopSignals:
-    """While installed (`listening`), the first SIGTERM or SIGUSR1 is remembered in `received`; the second ends the
-    process by its default action."""
+    """While installed (`listening`), the first SIGTERM or SIGUSR1 is remembered in `received`; a second one, past
+    `SAME_REQUEST_S`, ends the process by its default action."""
 
     def __init__(self):
         self.received = 0
         """the number of the first signal received; 0: none yet"""
+        self.received_at = 0.0
+        """when (time.monotonic) the first signal came"""
 
     def _handle(self, signum: int, frame) -> None:
-        """Remember the first signal; on the second, end the process as that signal does by default."""
+        """Remember the first signal; on a second, end the process as that signal does by default."""
+        if self.received and time.monotonic() - self.received_at < SAME_REQUEST_S:
+            return
         if self.received:
             os.write(2, f"\n{signal.Signals(signum).name} again: exiting now, without a checkpoint\n".encode())
             signal.signal(signum, signal.SIG_DFL)
             signal.raise_signal(signum)
             return
-        self.received = signum
+        self.received, self.received_at = signum, time.monotonic()
         name = signal.Signals(signum).name
         os.write(2, f"\n{name}: stopping after this step, with a checkpoint ({name} again: at once)\n".encode())
 

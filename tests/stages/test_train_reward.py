@@ -104,7 +104,7 @@ SMALL += ["--normalize-samples", "64", "--rollout-batch-size", "64", "--wandb-mo
 
 
 @pytest.mark.slow
-def test_a_signalled_run_stops_after_its_step_with_a_checkpoint_and_resumes_bitwise(tmp_path, monkeypatch):
+def test_a_signalled_run_stops_after_its_step_with_a_checkpoint_and_resumes_bitwise(tmp_path, monkeypatch, capsys):
     """SIGTERM during training: the run stops after the step in flight with status 75, its line and a checkpoint
     of that step; --resume then ends with the reward model of a run never stopped (its labels, made on the spot,
     read back; its normalization before training not redone), and every step logged once. Those two runs in this
@@ -132,6 +132,9 @@ def test_a_signalled_run_stops_after_its_step_with_a_checkpoint_and_resumes_bitw
     ):
         monkeypatch.setattr(sys, "argv", ["train_reward", *argv])
         train_reward.main()
+    resumed_out = capsys.readouterr().out.split("saved the reward model")[1]
+    assert f"resumed after step {stopped_at}" in resumed_out
+    assert "making" not in resumed_out and "normalize before" not in resumed_out  # done before the checkpoint
     for name in ("model.safetensors", RewardModel.HEAD_FILE):
         straight = load_file(tmp_path / "straight" / "reward_model" / name)
         resumed = load_file(signalled / "reward_model" / name)

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -102,12 +103,19 @@ with preemption.listening() as stop:
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
 def test_the_first_signal_asks_to_stop_and_the_second_ends_the_process(tmp_path, signum):
+    from lm_human_preference_details import preemption
+
     script = tmp_path / "listen.py"
     script.write_text(LISTEN_THEN_SPIN)
     process = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert process.stdout.readline() == "listening\n"
     process.send_signal(signum)
     assert process.stdout.readline() == f"received {int(signum)}\n"  # alive: it only took note
+    signalled_at = time.monotonic()
+    process.send_signal(signum)  # the same request again, as a launcher forwards it to a rank that had it
+    time.sleep(0.2)
+    assert process.poll() is None
+    time.sleep(max(0.0, signalled_at + preemption.SAME_REQUEST_S - time.monotonic()))
     process.send_signal(signum)
     process.wait(timeout=30)
     assert process.returncode == -signum  # as the signal ends a process without handlers

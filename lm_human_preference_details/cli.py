@@ -4,6 +4,7 @@ torch and transformers are imported where they are used: light processes (the re
 worker) import `UserError` from here without paying seconds of start-up for them.
 """
 
+import dataclasses
 import functools
 import os
 import sys
@@ -59,7 +60,7 @@ def parse(
             task = arg.split("=", 1)[1]
             del argv[i]
             break
-    argv = expand_recipes(args_type, spell_resume(argv))
+    argv = expand_recipes(args_type, spell_resume(args_type, argv))
     task_flag = f"--task {{{','.join(presets)}}}" if presets else "--task NAME"
     description = (
         f"{description or args_type.__doc__}\n\n`{task_flag}` (default: {default_task}) picks a preset whose values "
@@ -85,9 +86,13 @@ def expand_recipes(args_type: type, argv: list[str]) -> list[str]:
     return expanded
 
 
-def spell_resume(argv: list[str]) -> list[str]:
-    """`--resume` with no value after it as `--resume True`, `--no-resume` as `--resume False`: tyro reads a flag that
-    also takes `auto` (`Resume`) only with a value, and command lines from before `auto` give none."""
+def spell_resume(args_type: type, argv: list[str]) -> list[str]:
+    """For an args type whose `resume` is a `Resume`, `--resume` with no value after it as `--resume True` and
+    `--no-resume` as `--resume False`: tyro reads a flag that also takes `auto` only with a value, and command lines
+    from before `auto` give none (a plain bool `--resume`, GRPO's, stays a flag)."""
+    fields = {f.name: f.type for f in dataclasses.fields(args_type)}
+    if fields.get("resume") != Resume:
+        return argv
     spelled = []
     for i, arg in enumerate(argv):
         if arg == "--no-resume":

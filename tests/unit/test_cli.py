@@ -73,6 +73,10 @@ def test_resume_alone_means_yes_as_before_and_takes_auto(flags, resume):
     for stage in (train_policy, train_reward):
         args = cli.parse(stage.Args, stage.defaults_for_task, default_task="tiny", argv=flags)
         assert args.resume == resume, (stage.__name__, args.resume)
+    if resume != "auto":  # GRPO's `--resume` is a plain flag still
+        from lm_human_preference_details.grpo.config import GRPOArgs, get_preset
+
+        assert cli.parse(GRPOArgs, get_preset, "tiny", argv=flags).resume is resume
 
 
 def test_a_preempted_stage_prints_its_line_and_exits_with_the_preempted_status(capsys):

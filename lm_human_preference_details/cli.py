@@ -142,9 +142,10 @@ def quiet_transformers() -> None:
 
 def exit_finished_rank(status: int = 0) -> None:
     """End this process now with `status` if it is one rank of several (WORLD_SIZE > 1), without the interpreter's
-    teardown; a stage script calls it once `main` has returned. `main_with_user_errors` destroyed the process group,
-    but the sharding engines' own threads (FSDP2's, DeepSpeed's) can still abort the teardown of a finished run
-    ("terminate called without an active exception"), as GRPO's processes avoid with the same `exit_now`."""
+    teardown; a stage script calls it once `main` has returned, and `main_with_user_errors` with `PREEMPTED` for a run
+    a signal stopped. `main_with_user_errors` destroyed the process group, but the sharding engines' own threads
+    (FSDP2's, DeepSpeed's) can still abort the teardown of a finished run ("terminate called without an active
+    exception"), as GRPO's processes avoid with the same `exit_now`."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         from lm_human_preference_details.grpo.lifetime import exit_now  # the standard library only
 

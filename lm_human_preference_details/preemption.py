@@ -26,7 +26,8 @@ EXIT_STATUS = 75
 """the exit status of a preempted run: sysexits.h's EX_TEMPFAIL, "a temporary failure; the user is invited to
 retry". Not 0, which a job script's `&&` or `set -e` would take for a finished run and go on to its next step; not
 143 (128 + SIGTERM), which a shell reports for a process the signal killed, with no checkpoint; not 1 or 2, this
-project's crash and bad input. A Slurm script can requeue on it: `[ $? -eq 75 ] && scontrol requeue $SLURM_JOB_ID`."""
+project's crash and bad input. A job script can requeue on it (`[ $? -eq 75 ] && scontrol requeue $SLURM_JOB_ID`)
+where it runs the stage itself: torch's launcher exits 1 whatever its ranks' status."""
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 """what `StopSignals` takes as "stop soon": Slurm's default before it kills a job, and the one users pick with

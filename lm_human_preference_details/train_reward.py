@@ -291,14 +291,14 @@ def resume_steps(args: Args, accelerator, model, optimizer, sampler, requested: 
     where = checkpoint.folder(args.output_dir)
     checkpoint.check_same_settings(loop.get("settings"), requested, MAY_CHANGE_ON_RESUME, where)
     sampler.skip(loop["sampler_batches"])
-    accelerator.print(f"resumed after step {loop['update']}")
-    return loop["update"] + 1
+    accelerator.print(f"resumed after step {loop['step']}")
+    return loop["step"] + 1
 
 
 def save_steps(args: Args, accelerator, model, optimizer, step: int, sampler, requested: dict) -> None:
     """A checkpoint after `step`, with what `resume_steps` restores."""
     loop_state = {
-        "update": step,
+        "step": step,
         "sampler_batches": sampler.batches_drawn,
         "world_size": accelerator.num_processes,
         "settings": requested,

@@ -123,7 +123,7 @@ def test_a_signalled_run_stops_after_its_step_with_a_checkpoint_and_resumes_bitw
     assert found and signalled_after <= int(found[1]) <= signalled_after + 1 < 8, err[-3000:]
     stopped_at = int(found[1])
     assert [m["step"] for m in read_metrics(signalled / "metrics.jsonl")] == list(range(stopped_at + 1))  # 0: norm
-    assert torch.load(signalled / "checkpoint" / "state.pt", weights_only=False)["loop"]["update"] == stopped_at
+    assert torch.load(signalled / "checkpoint" / "state.pt", weights_only=False)["loop"]["step"] == stopped_at
     assert not (signalled / "reward_model").exists()
 
     for argv in (

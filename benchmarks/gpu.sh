@@ -80,11 +80,11 @@ if [ "${SMOKE:-0}" = 1 ]; then
     # updates, one thread per process: tests/grpo/test_launch.py runs those): the suite's smoke test of it
     grpo=(--steps 8 --repeats 1 --sync-steps 4 --pipeline-steps-ahead 2.5 --no-per-tensor-row --no-one-thread-row
           --scaling --scaling-batches 16 --scaling-tokens 3 --scaling-steps 5 -- --max-tokens 4)
-    sync=(--updates 1 --raw-repeats 1 --dtypes float32 --stagings staged in_place)
+    sync=(--updates 1 --raw-repeats 1 --dtypes float32 --stagings staged in_place --no-sharded-push)
 else  # one process per row (a GPU run varies less than the 2-core CPU's)
     ppo=(--updates 10 --repeats 1 --scaling)
     grpo=(--steps 100 --repeats 1 --no-per-tensor-row --no-one-thread-row --pipeline-steps-ahead 2 6 -- --max-tokens 24 --ignore-eos)
-    sync=(--updates 5 --dtypes bfloat16 float32 --stagings staged)
+    sync=(--updates 5 --dtypes bfloat16 float32 --stagings staged --no-sharded-push)  # FSDP2 needs a GPU a process
     limits=(150 180 60)  # seconds per table: with the setup, under the run's 480 s (the device's 15 minutes hold one such run, not two)
     # vLLM's rows where the GPU image has vLLM (too large to carry in .whl/): the image's python serves as the vLLM
     # environment (grpo/serving/vllm_env.py's layout; its server sees the image's packages, not .whl/'s newer

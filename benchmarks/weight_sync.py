@@ -15,6 +15,11 @@ In the same conditions (the server still generating), between this process and a
 gloo `broadcast` of the same bytes, one flat tensor, until the child has it. The table gives medians and each row's
 end-to-end / raw; its last line, the worst ratio of the rows it ran.
 
+With `--sharded-push`, each model is also pushed once from a trainer of two FSDP2 processes (`accelerate launch`,
+`--trainer-processes 2`, benchmarks/weight_sync_on_ranks.py) to a home server, in buckets of `--bucket-mb`: the
+push gathers one bucket at a time and sends it as the next is gathered, and the table gives the first process's
+extra peak memory during the push (`benchmarking.peak_rss`) next to the model's size.
+
 tiny-math runs on the home engine only: vLLM's CPU attention takes heads 32, 64, 80, ... wide, not its 16.
 """
 
@@ -31,11 +36,22 @@ from typing import Literal
 
 import tyro
 
-from lm_human_preference_details.benchmarking import Device, device_env, git_commit, machine, markdown_table, served
+from lm_human_preference_details.benchmarking import (
+    Device,
+    device_env,
+    git_commit,
+    machine,
+    markdown_table,
+    run_logged,
+    served,
+)
 from lm_human_preference_details.cli import main_with_user_errors
 from lm_human_preference_details.grpo.protocol import WeightStaging
 
 Transfer = Literal["per_tensor", "buckets"]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FSDP2_CONFIG = os.path.join(ROOT, "configs", "accelerate", "fsdp2.yaml")
+ON_RANKS = os.path.join(ROOT, "benchmarks", "weight_sync_on_ranks.py")
 
 
 @dataclass
@@ -56,6 +72,8 @@ class Args:
     """timed updates per row (medians)"""
     raw_repeats: int = 5
     """timed raw broadcasts per limit (median)"""
+    sharded_push: bool = True
+    """also push each model from two FSDP2 trainer processes and give the first one's extra peak memory"""
     device: Device = "cpu"
     """where the servers and the trainer's side run"""
     out_dir: str = "runs/weight_sync"
@@ -66,6 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     args = tyro.cli(Args, args=argv)
     os.makedirs(args.out_dir, exist_ok=True)
     rows: list[dict] = []
+    sharded: list[dict] = []
     for model in args.models:
         for engine in args.engines:
             if engine == "vllm" and model == "tiny-math" and args.device == "cpu":
@@ -73,8 +92,11 @@ def main(argv: list[str] | None = None) -> None:
             for dtype in args.dtypes:
                 for staging in args.stagings:
                     rows += time_updates(args, model, engine, dtype, staging)
-                    save(args, rows)
-    print(markdown(args, rows))
+                    save(args, rows, sharded)
+        if args.sharded_push:
+            sharded.append(time_sharded_push(args, model))
+            save(args, rows, sharded)
+    print(markdown(args, rows, sharded))
 
 
 def time_updates(args: Args, model: str, engine: str, dtype: str, staging: str) -> list[dict]:
@@ -216,8 +238,38 @@ def raw_broadcast_s(nbytes: int, repeats: int, device: str) -> float:
     return statistics.median(times[1:])
 
 
-def markdown(args: Args, rows: list[dict]) -> str:
-    """results.md: the update table, and its last line, the worst end-to-end / raw."""
+def time_sharded_push(args: Args, model: str) -> dict:
+    """One push of `model` from two FSDP2 trainer processes to a home server (benchmarks/weight_sync_on_ranks.py):
+    the first process's extra peak memory and the push's seconds."""
+    from lm_human_preference_details.grpo.config import GRPOArgs, ProcessArgs, TaskArgs
+    from lm_human_preference_details.grpo.launch import free_port
+    from lm_human_preference_details.models import load_causal_lm
+
+    settings = GRPOArgs(task=TaskArgs(model=model), processes=ProcessArgs(threads=1))
+    folder = os.path.join(args.out_dir, f"{model}_sharded_push")
+    with served(settings, "home", folder, args.device) as url:
+        launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", FSDP2_CONFIG]
+        launcher += ["--num_processes", "2", "--num_machines", "1", "--main_process_port", str(free_port())]
+        launcher += ["--mixed_precision", "no", "--dynamo_backend", "no"]
+        output = os.path.join(folder, "push.json")
+        flags = ["--trainer-processes", "2", "--update-bucket-mb", f"{args.bucket_mb:g}", "--threads", "1"]
+        command = [*launcher, ON_RANKS, model, url, output, *flags, "--wandb-mode", "disabled"]
+        run_logged(command, os.path.join(folder, "push.log"), device_env(args.device))
+    with open(output) as f:
+        pushed = json.load(f)
+    parameters = list(load_causal_lm(model).parameters())
+    return {
+        "model": model,
+        "processes": 2,
+        "model_mib": sum(p.numel() * p.element_size() for p in parameters) / 2**20,
+        "largest_tensor_mib": max(p.numel() * p.element_size() for p in parameters) / 2**20,
+        "extra_mib": pushed["extra_bytes"] / 2**20,
+        "push_s": pushed["push_s"],
+    }
+
+
+def markdown(args: Args, rows: list[dict], sharded: list[dict] = ()) -> str:
+    """results.md: the update table, the sharded push's (where it ran), and last, the worst end-to-end / raw."""
     cells = [
         [
             r["model"],
@@ -238,6 +290,18 @@ def markdown(args: Args, rows: list[dict]) -> str:
         f"each way; raw = one gloo broadcast of the same bytes, same conditions:"
     )
     lines = markdown_table(caption, header, cells)
+    if sharded:
+        caption = (
+            f"A push from two FSDP2 trainer processes, gathered a bucket ({args.bucket_mb:g} MiB, or one larger "
+            "tensor) at a time: the first process's extra peak memory during the push:"
+        )
+        header = ["model", "model (MiB)", "largest tensor (MiB)", "first process's extra peak (MiB)", "push (ms)"]
+        cells = [
+            [r["model"], f"{r['model_mib']:.1f}", f"{r['largest_tensor_mib']:.1f}", f"{r['extra_mib']:.1f}"]
+            + [f"{r['push_s'] * 1e3:.0f}"]
+            for r in sharded
+        ]
+        lines += ["", *markdown_table(caption, header, cells)]
     if rows:
         worst = max(rows, key=lambda r: r["e2e_over_raw"])
         lines += [
@@ -248,12 +312,14 @@ def markdown(args: Args, rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def save(args: Args, rows: list[dict]) -> None:
+def save(args: Args, rows: list[dict], sharded: list[dict]) -> None:
     """results.json and results.md as they stand (a benchmark stopped midway keeps its rows)."""
     with open(os.path.join(args.out_dir, "results.json"), "w") as f:
-        json.dump({"args": dataclasses.asdict(args), "commit": git_commit(), "rows": rows}, f, indent=2)
+        json.dump(
+            {"args": dataclasses.asdict(args), "commit": git_commit(), "rows": rows, "sharded": sharded}, f, indent=2
+        )
     with open(os.path.join(args.out_dir, "results.md"), "w") as f:
-        f.write(markdown(args, rows))
+        f.write(markdown(args, rows, sharded))
 
 
 if __name__ == "__main__":

@@ -464,7 +464,7 @@ def test_grpo_speed_table_of_generation_against_vllms_limit():
     )
 
 
-def test_weight_sync_table_rates_each_row_against_the_raw_broadcast_and_ends_with_the_worst():
+def test_weight_sync_tables_rate_each_row_against_the_raw_broadcast_and_end_with_the_worst():
     sync = load_script("weight_sync")
     row = {
         "model": "smollm2-135m",
@@ -482,7 +482,9 @@ def test_weight_sync_table_rates_each_row_against_the_raw_broadcast_and_ends_wit
         "e2e_over_raw": 1.5,
     }
     worse = {**row, "engine": "vllm", "pause_s": 0.25, "end_to_end_s": 0.6, "e2e_over_raw": 2.5}
-    lines = sync.markdown(sync.Args(), [row, worse]).splitlines()
+    sharded = {"model": "smollm2-135m", "model_mib": 513.1, "largest_tensor_mib": 108.0, "extra_mib": 230.4}
+    lines = sync.markdown(sync.Args(), [row, worse], [{**sharded, "push_s": 0.61}]).splitlines()
+    assert "| smollm2-135m | 513.1 | 108.0 | 230.4 | 610 |" in lines
     cells = "| smollm2-135m | home | bfloat16 | staged | 17 (16 MiB) | 256.5 | 310.0 | 300.0 | 0.4 | 360.0 | 240.0 |"
     assert f"{cells} 1.50x |" in lines
     assert lines[-1] == "worst end to end / raw: 2.50x (smollm2-135m, vllm, bfloat16, staged, buckets)"

@@ -26,7 +26,7 @@ from tests.grpo.test_trainer import sampled_groups
 
 CONFIGS = os.path.join(REPO, "configs", "accelerate")
 ON_RANKS = os.path.join(os.path.dirname(__file__), "on_ranks.py")
-PUSH_ON_RANKS = os.path.join(os.path.dirname(__file__), "push_on_ranks.py")
+PUSH_ON_RANKS = os.path.join(REPO, "benchmarks", "weight_sync_on_ranks.py")
 STEP_FLAGS = (
     *("--group-size", "4", "--batch-size", "12", "--temperature", "0.8", "--lr", "1e-3"),
     # the reference model (sharded too) and the entropy bonus's gradient

@@ -1,12 +1,12 @@
 """One weight push of the GRPO trainer sharded over the processes of `accelerate launch --config_file
 configs/accelerate/fsdp2.yaml` (`ServerUpdates.push_if_due` with `--trainer-processes N`), to a running server.
-`python tests/grpo/push_on_ranks.py MODEL_DIR SERVER_URL OUTPUT_JSON GRPO_FLAGS...`: every weight of MODEL_DIR is
-moved by a seeded amount (the same on every process, so that the pushed weights differ from the server's), the model
-is sharded and pushed as version 1; the first process writes into OUTPUT_JSON the extra peak memory it needed during
-the push (`benchmarking.peak_rss`, large blocks unmapped when freed), the push's seconds, and the digests of the
-whole weights gathered after it (`weights.tensor_digests`).
+`python benchmarks/weight_sync_on_ranks.py MODEL SERVER_URL OUTPUT_JSON GRPO_FLAGS...`: every weight of MODEL (a
+name or folder) is moved by a seeded amount (the same on every process, so that the pushed weights differ from the
+server's), the model is sharded and pushed as version 1; the first process writes into OUTPUT_JSON the extra peak
+memory it needed during the push (`benchmarking.peak_rss`, large blocks unmapped when freed), the push's seconds,
+and the digests of the whole weights gathered after it (`weights.tensor_digests`).
 
-Used by tests/grpo/test_sharded.py; not a test itself.
+Run by benchmarks/weight_sync.py (its sharded push row) and tests/grpo/test_sharded.py.
 """
 
 import json
@@ -25,10 +25,10 @@ from lm_human_preference_details.optim import make_optimizer
 
 @cli.main_with_user_errors  # the process group ends before the interpreter does
 def main() -> None:
-    model_dir, server_url, output_json = sys.argv[1:4]
+    model_name, server_url, output_json = sys.argv[1:4]
     args = cli.parse(GRPOArgs, get_preset, "tiny", argv=sys.argv[4:], presets=PRESETS)
     accelerator = trainer.trainer_accelerator(args)
-    model = load_causal_lm(model_dir)
+    model = load_causal_lm(model_name)
     torch.manual_seed(1)
     with torch.no_grad():
         for parameter in model.parameters():

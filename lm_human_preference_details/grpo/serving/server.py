@@ -44,7 +44,7 @@ import torch
 import tyro
 from aiohttp import web
 
-from lm_human_preference_details.cli import quiet_transformers
+from lm_human_preference_details.cli import main_with_user_errors, quiet_transformers
 from lm_human_preference_details.grpo.lifetime import exit_now, exit_with_parent
 from lm_human_preference_details.grpo.protocol import ParameterSpec, ServerDtype, WeightStaging
 from lm_human_preference_details.grpo.serving.control import LOOPBACK_ACCESS, ControlAccess, RendezvousTimeout
@@ -310,6 +310,7 @@ def load_for_inference(name_or_path: str, device: str, dtype: ServerDtype = "aut
     return model, AutoTokenizer.from_pretrained(path)
 
 
+@main_with_user_errors  # one `error:` line, the last of its log, which the launcher repeats
 def main() -> None:
     args = tyro.cli(Args)
     access = ControlAccess.for_server(args.host, args.token_file, args.rendezvous_allow)

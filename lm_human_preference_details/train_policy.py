@@ -215,7 +215,10 @@ def load_reward_model(path: str, tokenizer) -> RewardModel:
         raise cli.UserError(
             f"rewards.trained_model={path} is not a reward model folder (no {RewardModel.HEAD_FILE}): {hint}"
         )
-    checkpoint.check_weights(path, "put back a copy of the reward model, or train it again with train_reward.py")
+    fix = "put back a copy of the reward model, or train it again with train_reward.py"
+    checkpoint.check_weights(path, fix)
+    meta = os.path.join(path, RewardModel.META_FILE)  # read again by RewardModel.load: checked here, as one line
+    checkpoint.load_or_explain(meta, lambda file: checkpoint.read_json(file)["base_model"], fix)
     reward_tokenizer = load_tokenizer(path)
     if reward_tokenizer.get_vocab() != tokenizer.get_vocab():
         raise cli.UserError(

@@ -105,6 +105,8 @@ def test_a_damaged_ppo_checkpoint_stops_the_resume_with_one_line_naming_the_file
         ("reward_head.safetensors", cut_in_half, "incomplete metadata, file not fully covered"),
         ("reward_head.safetensors", zero, "invalid JSON in header"),
         ("model.safetensors", cut_in_half, "incomplete metadata, file not fully covered"),
+        ("reward_model.json", cut_in_half, "Unterminated string"),
+        ("reward_model.json", zero, "Expecting value"),
     ],
 )
 def test_a_damaged_reward_model_is_one_line_naming_the_file(

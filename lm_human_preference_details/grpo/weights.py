@@ -193,13 +193,13 @@ class BufferPool:
     reuses memory, so the pool keeps nothing there. Safe to use from several threads."""
 
     def __init__(self):
-        self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        self._free: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
         self._lock = threading.Lock()
 
     def take(self, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
         """A flat buffer of `numel` elements of `dtype` on `device`, given back earlier if one is free."""
         with self._lock:
-            free = self._free.get((numel, dtype))
+            free = self._free.get((numel, dtype, torch.device(device)))
             if free:
                 return free.pop()
         return torch.empty(numel, dtype=dtype, device=device)
@@ -209,7 +209,7 @@ class BufferPool:
         with self._lock:
             for buffer in buffers:
                 if buffer.device.type == "cpu":
-                    self._free.setdefault((buffer.numel(), buffer.dtype), []).append(buffer)
+                    self._free.setdefault((buffer.numel(), buffer.dtype, buffer.device), []).append(buffer)
 
 
 def receive_buckets(
@@ -318,9 +318,13 @@ class WeightSender:
         specs = tensor_specs(parameters, dtype)
         copied: queue.SimpleQueue = queue.SimpleQueue()  # (bucket, its copies' event) as each is made; then None
         self._queue.put((specs, copied, version, bucket_bytes))
-        with torch.no_grad():
-            for bucket in flatten([p for _, p in parameters], buckets(specs, bucket_bytes), dtype, self._buffers):
-                copied.put((bucket, _queued_before(bucket)))
+        try:
+            with torch.no_grad():
+                for bucket in flatten([p for _, p in parameters], buckets(specs, bucket_bytes), dtype, self._buffers):
+                    copied.put((bucket, _queued_before(bucket)))
+        except BaseException:  # the sender thread, waiting for the next bucket, would wait forever
+            copied.put(_COPY_FAILED)
+            raise
         copied.put(None)
         return self._take_dropped()
 
@@ -342,7 +346,12 @@ class WeightSender:
                 pass
             raise
         ready = ((bucket, _queued_before(bucket)) for bucket in flat_buckets)
-        self._send(specs, ready, version, bucket_bytes, in_flight=1)
+        try:
+            self._send(specs, ready, version, bucket_bytes, in_flight=1)
+        except BaseException:
+            for _ in ready:  # the other processes are still gathering: they need this one in every collective
+                pass
+            raise
         self._raise_if_failed()
         return self._take_dropped()
 
@@ -379,8 +388,10 @@ class WeightSender:
             sent: list[torch.Tensor] = []
             try:
                 if self._failed is None:  # after a failure nothing more is sent until push/wait raised it
+                    dropped_before = len(self._ever_dropped)
                     self._send(specs, _as_made(copied, sent), version, bucket_bytes)
-                    self._buffers.give(sent)  # sent: the next snapshot is copied into them
+                    if len(self._ever_dropped) == dropped_before:  # a dropped server's broadcasts were not waited for
+                        self._buffers.give(sent)  # sent: the next snapshot is copied into them
             except Exception as error:  # the thread lives on, so that push and wait raise it rather than block
                 self._failed = error
             finally:
@@ -472,10 +483,17 @@ class WeightSender:
         return url
 
 
+_COPY_FAILED = object()
+"""what `push_tensors` puts after the buckets it copied when its copy failed"""
+
+
 def _as_made(copied: queue.SimpleQueue, sent: list[torch.Tensor]):
     """The (bucket, event) pairs of a snapshot as `push_tensors` copies them, until its None; each bucket is also
-    kept in `sent`, to be given back once sent."""
+    kept in `sent`, to be given back once sent. A failed copy raises here: the servers wait for buckets that will
+    not come, and roll back after their group's timeout."""
     while (made := copied.get()) is not None:
+        if made is _COPY_FAILED:
+            raise RuntimeError("the trainer's snapshot of the weights failed part way; see its traceback")
         sent.append(made[0])
         yield made
 

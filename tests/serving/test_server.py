@@ -3,6 +3,8 @@ failures, a server that refuses what another accepts, a server that cannot start
 contract itself (token ids, logprobs, versions, bad requests, updates in flight, refused updates, a broken transfer)
 is tested against this server and the vLLM one alike in tests/serving/test_contract.py."""
 
+import concurrent.futures
+import itertools
 import json
 import subprocess
 import time
@@ -109,6 +111,23 @@ def test_a_failure_in_the_sender_thread_is_raised_by_wait_and_push_not_a_hang(mo
     sender._queue.join()
     with pytest.raises(ValueError, match="the broadcast broke"):
         sender.push(model, version=3)
+
+
+def test_a_snapshot_that_fails_part_way_is_raised_by_push_and_then_by_wait_not_a_hang(monkeypatch):
+    from lm_human_preference_details.grpo import weights
+
+    def flatten_then_fail(*args):
+        yield from itertools.islice(weights_flatten(*args), 1)
+        raise MemoryError("no memory for the second bucket")
+
+    weights_flatten = weights.flatten
+    monkeypatch.setattr(weights, "flatten", flatten_then_fail)
+    sender = WeightSender([])
+    with pytest.raises(MemoryError):
+        sender.push(torch.nn.Linear(2, 2), version=1)
+    waited = concurrent.futures.ThreadPoolExecutor(1).submit(sender.wait)
+    with pytest.raises(RuntimeError, match="snapshot of the weights failed part way"):
+        waited.result(timeout=30)
 
 
 def test_a_refusal_by_one_server_still_updates_the_others_and_a_trainer_left_with_no_server_stops(model_dir, tmp_path):
@@ -248,9 +267,12 @@ def test_the_wait_for_a_loading_server_ends_when_the_callers_check_raises(model_
         server.process.wait()
 
 
-def test_a_bfloat16_server_gets_the_trainers_weights_rounded_to_bfloat16_bitwise(model_dir, tmp_path):
+def test_a_bfloat16_server_gets_the_trainers_weights_rounded_to_bfloat16_bitwise_update_after_update(
+    model_dir, tmp_path
+):
     """`--dtype bfloat16` (what `auto` picks on a GPU) on the CPU: the server says its dtype, the trainer sends its
-    float32 weights rounded to it, and the server samples with them."""
+    float32 weights rounded to it, and the server samples with them. From the third update on, both sides write
+    into buffers an earlier update used (`BufferPool`): each must still arrive whole, none overwritten in use."""
     import copy
 
     with open(tmp_path / "server.log", "wb") as log:
@@ -261,19 +283,20 @@ def test_a_bfloat16_server_gets_the_trainers_weights_rounded_to_bfloat16_bitwise
         url = started.wait_until_serving()
         assert request_json("GET", f"{url}/health")["dtype"] == "bfloat16"
         model = load_causal_lm(model_dir)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(0.01 * torch.randn_like(p))
         sender = WeightSender([url])
-        assert sender.push(model, 1, dtype=torch.bfloat16) == [] and sender.wait() == []
-        request_json("GET", f"{url}/health?wait_for_version=1&timeout_s=30", timeout_s=40)
-        assert request_json("GET", f"{url}/weights_digest")["digests"] == digest(
-            copy.deepcopy(model).to(torch.bfloat16)
-        )
+        for version in (1, 2, 3, 4):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.01 * torch.randn_like(p))
+            assert sender.push(model, version, dtype=torch.bfloat16, bucket_bytes=2**16) == [] and sender.wait() == []
+            request_json("GET", f"{url}/health?wait_for_version={version}&timeout_s=30", timeout_s=40)
+            assert request_json("GET", f"{url}/weights_digest")["digests"] == digest(
+                copy.deepcopy(model).to(torch.bfloat16)
+            ), version
         choice = request_json(
             "POST", f"{url}/v1/completions", {"prompt": "1+2=\\boxed{", "max_tokens": 4, "ignore_eos": True}
         )["choices"][0]
-        assert choice["model_versions"] == [1] * 4 and all(lp <= 0 for lp in choice["logprobs"]["token_logprobs"])
+        assert choice["model_versions"] == [4] * 4 and all(lp <= 0 for lp in choice["logprobs"]["token_logprobs"])
     finally:
         started.process.terminate()
         started.process.wait(timeout=30)

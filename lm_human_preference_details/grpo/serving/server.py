@@ -18,7 +18,7 @@ Endpoints (docs/DESIGN.md, "The GRPO pipeline contract"; its constants and types
   against the model before anything is received (a mismatch is refused with 400 and the old weights
   keep serving, as when the broadcast does not all arrive); on 200 a receiver thread takes the broadcast
   (one per tensor, or with bucket_bytes > 0 one per flat bucket of consecutive tensors, `weights.buckets`)
-  into fresh buffers while decoding goes on, then the engine swaps them all in between two decode steps:
+  into buffers of its own while decoding goes on, then the engine swaps them all in between two decode steps:
   decoding pauses only for a pointer swap per parameter (`--weight-staging in_place`: for a copy of each),
   and sequences in flight keep their KV cache.
 - `GET /health` (`?wait_for_version=N` long-polls until version N serves), `GET /metrics` (JSON counters:
@@ -165,8 +165,11 @@ class InferenceServer(ContractServer):
         self.receives.put(receive_then_swap)
 
     def _update_done(self, pause) -> None:
-        if pause.exception() is not None:
-            log.error("weight update failed, the old weights keep serving: %s", pause.exception())
+        if pause.exception() is not None:  # failed within the swap or the copy: some parameters may be new
+            self.mark_stale(
+                f"a weight update failed while loading ({first_line(pause.exception())}); this server's "
+                "weights are out of date"
+            )
             return
         self.last_pause_s = pause.result()
         asyncio.ensure_future(self.announce_version())

@@ -10,7 +10,7 @@ and in buckets of `--bucket-mb` by turns, `--updates` times each (after one unti
 - the server's receive (its /metrics `receive_s_last`: the announce until every tensor has arrived) and its pause
   (`pause_s_last`: decoding stopped for the swap);
 - the end-to-end update: from the push, right after an optimizer step, until the server serves the new version
-  (`/health?wait_for_version`; the next decode step samples on it).
+  (`/health?wait_for_version`, asked once the send has returned; the next decode step samples on it).
 In the same conditions (the server still generating), between this process and a child of it, the limit: a raw
 gloo `broadcast` of the same bytes, one flat tensor, until the child has it. The table gives medians and each row's
 end-to-end / raw; its last line, the worst ratio of the rows it ran.

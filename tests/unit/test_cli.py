@@ -150,7 +150,8 @@ def main():
         if accelerator.process_index == 1:
             os.kill(os.getpid(), signal.SIGUSR1)
         after = stop.agreed(accelerator)
-    print(f"rank {accelerator.process_index}: {before} then {after}", flush=True)
+    # one write of the whole line: print's two (text, then newline) can interleave with the other rank's
+    os.write(1, f"rank {accelerator.process_index}: {before} then {after}\\n".encode())
 
 main()
 cli.exit_finished_rank()

@@ -68,9 +68,10 @@ class StopSignals:
     def agreed(self, accelerator) -> str | None:
         """The name of a signal any process received (the largest number of those), or None: the same answer on
         every process. Every process calls it at the same point of each update: with several, it is an all-reduce
-        of one number on the run's process group."""
+        of one number on the run's process group (`accelerator` None: one process without accelerate, as GRPO's
+        trainer runs)."""
         signum = self.received
-        if accelerator.num_processes > 1:
+        if accelerator is not None and accelerator.num_processes > 1:
             import torch
 
             flag = torch.tensor([signum], dtype=torch.int64, device=accelerator.device)

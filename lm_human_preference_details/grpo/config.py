@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 
 import tyro
 
-from lm_human_preference_details.cli import UserError
+from lm_human_preference_details.cli import Resume, UserError
 from lm_human_preference_details.grpo.loss_options import Baseline, ImportanceSampling, LossType, Normalizer, StdOver
 from lm_human_preference_details.grpo.protocol import (
     MAX_CHOICES,
@@ -357,8 +357,9 @@ class GRPOArgs(RunArgs):
     cost a small model's trainer a noticeable share of its time)"""
     save_interval: int = 20
     """checkpoint every N optimizer steps (0: never); `--resume` continues from the last one"""
-    resume: bool = False
-    """continue from the last checkpoint in output_dir (through `grpo.launch`, which restarts every process at it)"""
+    resume: Resume = False
+    """continue from the last checkpoint in output_dir (through `grpo.launch`, which restarts every process at it);
+    `auto`: if it has one, else start it (cli.Resume)"""
     task: tyro.conf.OmitArgPrefixes[TaskArgs] = field(default_factory=TaskArgs)
     sampling: tyro.conf.OmitArgPrefixes[SamplingArgs] = field(default_factory=SamplingArgs)
     optim: tyro.conf.OmitArgPrefixes[OptimArgs] = field(default_factory=OptimArgs)

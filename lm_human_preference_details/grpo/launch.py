@@ -12,10 +12,12 @@ them): the first sends the weights, logs and checkpoints, and one that fails end
 (`--nnodes`, or the scheduler's variables) each node's launcher starts its share of the map, and they meet through
 a TCPStore on node 0 (`grpo.rendezvous`); a node that fails or is killed ends the run on every node.
 
-Every process it started is stopped when the run ends, when it fails, on Ctrl-C or SIGTERM, and (through a
-watchdog in each child) when the launcher itself is killed. A server that dies is tolerated while another serves;
-the actor retries its requests elsewhere. `--resume` continues from the last checkpoint. The trainer and the actor
-start with the servers and receive the servers' URLs once they serve.
+Every process it started is stopped when the run ends, when it fails, on Ctrl-C, and (through a watchdog in each
+child) when the launcher itself is killed. SIGTERM or SIGUSR1 (a cluster's "stop soon": `preemption`) goes on to the
+trainer, which stops after the step in flight with a checkpoint; then the rest stops and the launcher exits with
+`cli.PREEMPTED` (a second signal ends it at once). A server that dies is tolerated while another serves; the actor
+retries its requests elsewhere. `--resume` continues from the last checkpoint (`--resume auto`: if there is one).
+The trainer and the actor start with the servers and receive the servers' URLs once they serve.
 
 `--engine` picks the servers: grpo/serving/server.py (`home`) or grpo/serving/vllm_server.py (`vllm`, in the vLLM
 environment); `auto` takes vLLM where its environment exists and a GPU is visible.
@@ -39,7 +41,7 @@ import sys
 import time
 from multiprocessing.connection import Connection
 
-from lm_human_preference_details import cli, tracking
+from lm_human_preference_details import cli, preemption, tracking
 from lm_human_preference_details.grpo import nodes, rendezvous, streams
 from lm_human_preference_details.grpo.client import ServerError, check_serving, request_json
 from lm_human_preference_details.grpo.config import PRESETS, GRPOArgs, get_preset
@@ -78,14 +80,18 @@ def _role(
     user_facing: tuple[type[Exception], ...] = (cli.UserError, streams.StreamConnectionError)
     try:
         if name.startswith("trainer"):
-            from lm_human_preference_details.grpo import trainer
+            # SIGTERM is "stop after this step" from the start (`trainer.train`'s handlers), not a kill while loading
+            with preemption.listening():
+                from lm_human_preference_details.grpo import trainer
 
-            trainer.train_then_exit(args, wait_for_servers=server_urls.recv)
+                trainer.train_then_exit(args, wait_for_servers=server_urls.recv)
         else:
             from lm_human_preference_details.grpo import actor
 
             user_facing += (actor.ActorError,)
             actor.run(args, wait_for_servers=server_urls.recv, first_group=first_group)
+    except preemption.Preempted:  # checkpointed: the launcher says where the run stopped
+        exit_now(cli.PREEMPTED)
     except user_facing as error:
         print(f"error: the {name}: {error}", file=sys.stderr, flush=True)
         exit_now(2)  # the trainer may have joined a gloo group, whose teardown at interpreter exit can abort
@@ -101,9 +107,18 @@ def free_port() -> int:
 class Run:
     """This node's processes of one run; `stop` ends them all (SIGTERM, then SIGKILL after a grace period)."""
 
-    def __init__(self, args: GRPOArgs, plan: nodes.NodePlan, engine: "ServerEngine | None" = None, meeting=None):
-        """`meeting`: the other nodes' launchers (`rendezvous.Rendezvous`), None for a run on one node."""
+    def __init__(
+        self,
+        args: GRPOArgs,
+        plan: nodes.NodePlan,
+        engine: "ServerEngine | None" = None,
+        meeting=None,
+        stop: preemption.StopSignals | None = None,
+    ):
+        """`meeting`: the other nodes' launchers (`rendezvous.Rendezvous`), None for a run on one node; `stop`: the
+        launcher's signals (`preemption.listening`), forwarded to the trainer."""
         self.args, self.plan, self.meeting = args, plan, meeting
+        self.stop_signals = stop or preemption.StopSignals()
         self.engine = engine or ServerEngine("home", args.output_dir)
         self.engines: dict[str, str] = {}  # URL: the engine of each server started here
         self.servers: list[subprocess.Popen] = []
@@ -190,7 +205,10 @@ class Run:
             send.close()
 
     def check_others(self) -> None:
-        """What ends a wait for servers: this node's trainer or actor ended, or another node failed or went away."""
+        """What ends a wait for servers: a signal to stop (no step is trained before they serve: nothing to save), this
+        node's trainer or actor ended, or another node failed or went away."""
+        if self.stop_signals.received:
+            raise self.stopped()
         self.check_roles_started()
         if self.meeting is not None:
             self.meeting.check()
@@ -204,25 +222,41 @@ class Run:
     def wait(self) -> None:
         """Until the run is over: node 0's trainer processes are done (on node 0, the trainer's rank 0; elsewhere,
         node 0 says so). Raises if a trainer process or the actor fails, every server of this node is gone, or
-        (`rendezvous.NodeLost`) another node failed or went away."""
+        (`rendezvous.NodeLost`) another node failed or went away. A signal to stop goes on to the trainer processes;
+        once they stopped with a checkpoint, `preemption.Preempted`."""
+        forwarded = False
         while True:
+            if self.stop_signals.received and not forwarded:
+                for process in self.trainers():
+                    with contextlib.suppress(ProcessLookupError):  # one that ended already: `local_failure` says why
+                        os.kill(process.pid, self.stop_signals.received)
+                forwarded = True
             if self.meeting is not None:
                 self.meeting.check()
             failure = self.local_failure()
             if failure is not None:
                 raise self.explained(failure)
-            trainers = [p for name, p in self.roles.items() if name != "actor"]
+            trainers = self.trainers()
+            if any(p.exitcode == cli.PREEMPTED for p in trainers) and all(p.exitcode is not None for p in trainers):
+                raise self.stopped()
             finished = all(process.exitcode == 0 for process in trainers)
             if finished and (self.plan.rank == 0 or self.meeting is None or self.meeting.node0_done):
                 return
             time.sleep(0.2)
 
+    def trainers(self) -> list[multiprocessing.Process]:
+        """This node's trainer processes."""
+        return [process for name, process in self.roles.items() if name != "actor"]
+
     def local_failure(self) -> str | None:
-        """What failed on this node: a trainer process or the actor, or every server."""
+        """What failed on this node: a trainer process or the actor, or every server. Once a signal asked the run to
+        stop, only a trainer process: a cluster signals every process of a job, and the actor and the servers end on
+        it, while the trainer finishes its step."""
+        stopping = bool(self.stop_signals.received)
         for name, process in self.roles.items():
-            if process.exitcode not in (None, 0):
+            if process.exitcode not in (None, 0, cli.PREEMPTED) and not (stopping and name == "actor"):
                 return f"the {name} exited with status {process.exitcode}"
-        if self.servers and all(p.poll() is not None for p in self.servers):
+        if self.servers and all(p.poll() is not None for p in self.servers) and not stopping:
             return f"every server{' of this node' if self.meeting else ''} has exited; see {self.logs}"
         return None
 
@@ -256,10 +290,28 @@ class Run:
         with open(os.path.join(self.args.output_dir, "servers.json"), "w") as f:
             json.dump(metrics, f, indent=2)
 
+    def stopped(self) -> preemption.Preempted:
+        """The run stopped on a signal: where its checkpoint is, what a rerun with --resume continues from (step 0
+        without one: it starts over)."""
+        from lm_human_preference_details import checkpoint  # torch: only once the run has stopped
+
+        path = checkpoint.state_file(checkpoint.folder(self.args.output_dir), "state.json")
+        version = checkpoint.read_json(path)["version"] if path is not None else 0
+        received = self.stop_signals.received
+        name = signal.Signals(received).name if received else "a signal to the trainer"
+        return preemption.stopped(version, self.args.optim.steps, "step", name)
+
     def stop(self, grace_s: float = 10.0) -> None:
+        """End every process of this node: SIGTERM, SIGKILL after `grace_s`. The trainer's processes get SIGKILL at
+        once: they take SIGTERM as "stop after this step" (a kill mid-save keeps the previous checkpoint)."""
         processes = [p for p in self.roles.values() if p.is_alive()]
-        for process in processes:
-            process.terminate()
+        for name, process in self.roles.items():
+            if process not in processes:
+                continue
+            if name == "actor":
+                process.terminate()
+            else:
+                process.kill()
         for server in self.servers:
             if server.poll() is None:
                 server.terminate()
@@ -281,6 +333,7 @@ class Run:
 def launch(args: GRPOArgs) -> None:
     """Start this node's part of the run, run to the last step, stop everything (also on failure or a signal)."""
     args.check()
+    args.resume = resolve_resume(args)
     plan = nodes.plan_node(args)
     nodes.check_control_token(plan)
     agent_store = nodes.forget_placement_variables()  # read: the children get their own
@@ -294,16 +347,21 @@ def launch(args: GRPOArgs) -> None:
     if not plan.map.colocated:
         log.info("node %d of %d (%s):\n%s", plan.rank, plan.node.nnodes, plan.node.source, plan.map.table())
     meeting = meet(args, plan, agent_store) if plan.multi_node else None
+    with preemption.listening() as stop:
+        run_node(args, plan, engine, meeting, stop)
+
+
+def run_node(args: GRPOArgs, plan: nodes.NodePlan, engine, meeting, stop: preemption.StopSignals) -> None:
+    """`launch` once the node knows its plan: start, wait for the end or a signal (`stop`), stop everything."""
     run = None
-    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops the children
-    # Ctrl-C too, even when started in the background by a shell, which leaves SIGINT ignored
+    # Ctrl-C, even when started in the background by a shell, which leaves SIGINT ignored: `finally` stops the children
     previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     ok = False
     try:
         os.makedirs(args.output_dir, exist_ok=True)
         start = start_of_run(args, plan, engine, meeting)
         os.environ[TOKEN_ENV] = start_token(plan, start)
-        run = Run(args, plan, engine, meeting)
+        run = Run(args, plan, engine, meeting, stop)
         if meeting is not None:
             meeting.watch()
         # the address every node reached node 0 at: its servers join the trainer's weight groups there
@@ -334,8 +392,17 @@ def launch(args: GRPOArgs) -> None:
             run.stop()
         if meeting is not None:
             meeting.part(ok)
-        signal.signal(signal.SIGTERM, previous)
         signal.signal(signal.SIGINT, previous_int)
+
+
+def resolve_resume(args: GRPOArgs) -> bool:
+    """`--resume` as yes or no (`--resume auto`: `checkpoint.resolve_resume`), before anything starts."""
+    if args.resume != "auto":
+        return args.resume
+    from lm_human_preference_details import checkpoint  # torch: only for `auto`
+
+    found = checkpoint.state_file(checkpoint.folder(args.output_dir), "state.json") is not None
+    return checkpoint.resolve_resume(args.resume, found, args.output_dir)
 
 
 def meet(args: GRPOArgs, plan: nodes.NodePlan, agent_store: str | None) -> rendezvous.Rendezvous:

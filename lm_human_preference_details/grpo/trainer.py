@@ -17,6 +17,7 @@ then pushes the new weights into the inference servers.
         `sync_steps` steps
         log reward, success rate, lag (trainer version - token version), throughput, entropy, ESS
         every `save_interval` steps: checkpoint (model folder, optimizer, version, stream position)
+        on SIGTERM or SIGUSR1 (the launcher forwards its own): a checkpoint after the step in flight, then stop
 
 `train` is that loop; `GroupReader`, `optimizer_step` (`accumulate_gradients`), `ServerUpdates`, `step_metrics` /
 `log_step` and `checkpoints.save_checkpoint` are its lines, `load_learner` what it starts from.
@@ -46,7 +47,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from lm_human_preference_details import cli, sharding
+from lm_human_preference_details import cli, preemption, sharding
 from lm_human_preference_details.grpo import checkpoints
 from lm_human_preference_details.grpo.client import check_serving
 from lm_human_preference_details.grpo.config import PRESETS, GRPOArgs, get_preset
@@ -414,7 +415,18 @@ def train(args: GRPOArgs, wait_for_servers: Callable[[], list[str]]) -> None:
 
     With `--trainer-processes` over 1, every process runs this (started by the launcher, or by `accelerate launch`
     with configs/accelerate/fsdp2.yaml): each reads the whole stream and trains on its share of each step, and only
-    the main one sends weights to the servers, logs and writes checkpoints."""
+    the main one sends weights to the servers, logs and writes checkpoints.
+
+    On SIGTERM or SIGUSR1 it stops after the step in flight (every process after the same one), with a checkpoint,
+    and raises `preemption.Preempted`."""
+    with preemption.listening() as stop:
+        train_until_stopped(args, wait_for_servers, stop)
+
+
+def train_until_stopped(
+    args: GRPOArgs, wait_for_servers: Callable[[], list[str]], stop: preemption.StopSignals
+) -> None:
+    """`train`, asking `stop` after each step (all processes agree) whether a signal asks the run to stop."""
     torch.manual_seed(args.seed)
     accelerator = trainer_accelerator(args)
     torch.set_num_threads(args.torch_threads("trainer"))  # after accelerate, which sets a share of its own
@@ -446,10 +458,15 @@ def train(args: GRPOArgs, wait_for_servers: Callable[[], list[str]]) -> None:
         if main:
             metrics = step_metrics(samples, rewards, version, grad_norm, times, servers.last_broadcast_s)
             log_step(tracker, args, version, groups, {**metrics, **stats})
-        if schedule.due(args.save_interval, version):
+        signal_name = stop.agreed(accelerator)
+        if schedule.due(args.save_interval, version) or signal_name:
             checkpoints.save_checkpoint(
                 args, model, learner.tokenizer, optimizer, version, stream.position, accelerator
             )
+        if signal_name and version < args.optim.steps:
+            stream.close()
+            tracker.finish()
+            raise preemption.stopped(version, args.optim.steps, "step", signal_name)
     servers.wait()
     stream.close()
     tracker.finish()

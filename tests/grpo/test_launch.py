@@ -1,6 +1,6 @@
 """`grpo.launch` end to end, as a user runs it: real server, actor and trainer processes on this
-machine. Both schedules learn; lag follows the schedule; a killed server is survived; Ctrl-C,
-SIGTERM and a killed launcher leave no process behind; a killed run resumes."""
+machine. Both schedules learn; lag follows the schedule; a killed server is survived; Ctrl-C and a
+killed launcher leave no process behind; a killed run resumes; SIGTERM stops a run with a checkpoint."""
 
 import contextlib
 import json
@@ -190,17 +190,21 @@ def test_a_killed_server_is_survived_the_actor_retries_elsewhere(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_to_the_launcher_stops_every_process(tmp_path, how):
+def test_ctrl_c_to_the_launcher_stops_every_process(tmp_path):
+    """SIGTERM, a preemption, is the next test's."""
     run = Launched(tmp_path / "run", "--steps", "100000")
     run.watch_until(lambda: len(metrics(run.output_dir)) >= 3)
-    run.process.send_signal(how)
+    run.process.send_signal(signal.SIGINT)
     assert run.finish(timeout_s=60) != 0
     assert len(run.seen) >= 3 and run.leftovers() == []
 
 
 @pytest.mark.slow
-def test_a_killed_launcher_takes_its_children_down_and_the_run_resumes(tmp_path):
+def test_a_killed_launcher_takes_its_children_down_and_the_run_resumes_also_after_sigterm(tmp_path):
+    """SIGKILL at step 12 or later (checkpoints every 5): the resumed run goes on from the last checkpoint; SIGTERM
+    once it trained a step, as a cluster preempts a job, stops it after the step in flight with a checkpoint of that
+    step, status 75 and one line, and leaves no process; the same command (`--resume auto`) then runs to the end (60
+    steps: the tiny steps take milliseconds, the signal must find the run still going)."""
     run = Launched(tmp_path / "run", "--steps", "30", "--save-interval", "5")
     run.watch_until(lambda: len(metrics(run.output_dir)) >= 12)
     run.process.kill()  # no cleanup code runs in the launcher: the children's watchdog must act
@@ -208,9 +212,22 @@ def test_a_killed_launcher_takes_its_children_down_and_the_run_resumes(tmp_path)
     assert run.leftovers(grace_s=15) == []
     assert json.load(open(tmp_path / "run" / "checkpoint" / "state.json"))["version"] >= 10
 
-    resumed = Launched(tmp_path / "run", "--steps", "30", "--save-interval", "5", "--resume")
+    flags = ("--steps", "60", "--save-interval", "5", "--resume", "auto")
+    preempted = Launched(tmp_path / "run", *flags)
+    # a step of its own (metrics.jsonl holds the killed run's steps until the trainer starts)
+    preempted.watch_until(lambda: " trainer step " in preempted.output(tail=None))
+    preempted.process.send_signal(signal.SIGTERM)
+    assert preempted.finish(timeout_s=60) == 75, preempted.output()
+    stopped_at = metrics(preempted.output_dir)[-1]["step"]
+    assert stopped_at < 60 and f"stopped at step {stopped_at} of 60 on SIGTERM: rerun with --resume\n" in (
+        preempted.output()
+    )
+    assert json.load(open(tmp_path / "run" / "checkpoint" / "state.json"))["version"] == stopped_at
+    assert len(preempted.seen) >= 3 and preempted.leftovers() == []
+
+    resumed = Launched(tmp_path / "run", *flags)
     assert resumed.finish() == 0, resumed.output()
-    assert [r["step"] for r in metrics(resumed.output_dir)] == list(range(1, 31))  # each step once
+    assert [r["step"] for r in metrics(resumed.output_dir)] == list(range(1, 61))  # each step once
     assert resumed.leftovers() == []
 
 
@@ -355,6 +372,11 @@ def test_chat_prompts_go_one_request_per_problem_through_the_chat_template_after
         (["--batch-size", "60"], "error: --batch-size 60 must be a multiple of --group-size 8"),
         (["--task", "nope"], "error: --task 'nope' is unknown; choose one of tiny, arith"),
         (["--resume"], "error: --resume: no checkpoint in"),
+        # an empty folder: a new run, which may write to a trimmed stream (a resumed one may not)
+        (
+            ["--resume", "auto", "--stream", "redis://127.0.0.1:1/0?stream=s&maxlen=100"],
+            "error: cannot reach Redis at redis://127.0.0.1:1/0?stream=s&maxlen=100",
+        ),
         (
             ["--resume", "--stream", "redis://127.0.0.1:1/0?stream=s&maxlen=100"],
             "error: --stream redis://127.0.0.1:1/0?stream=s&maxlen=100: --resume finds the checkpoint's place in the "
@@ -646,15 +668,17 @@ def test_engine_auto_is_vllm_only_with_a_gpu_build_of_its_environment_and_a_gpu(
     assert ServingArgs().server_engine() == "home"  # a GPU without the environment
 
 
-def test_a_new_run_into_an_earlier_runs_folder_is_refused_before_anything_starts(tmp_path):
-    """The earlier run's metrics are kept (no run overwrites another's logs) and no server, stream or role starts."""
+@pytest.mark.parametrize("flags, says", [([], "error: "), (["--resume", "auto"], "error: --resume auto: ")])
+def test_a_new_run_into_an_earlier_runs_folder_is_refused_before_anything_starts(tmp_path, flags, says):
+    """The earlier run's metrics are kept (no run overwrites another's logs) and no server, stream or role starts;
+    `--resume auto` too refuses logs it has no checkpoint to continue."""
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1}\n')
     result = subprocess.run(
-        LAUNCH + ["--output-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=120
+        LAUNCH + ["--output-dir", str(tmp_path / "run"), *flags], capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 2, result.stderr
     (line,) = result.stderr.strip().splitlines()
-    assert line.startswith("error: ") and "--resume" in line and "metrics.jsonl" in line, line
+    assert line.startswith(says) and "--resume" in line and "metrics.jsonl" in line, line
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == '{"step": 1}\n'
     assert not (tmp_path / "run" / "logs").exists()

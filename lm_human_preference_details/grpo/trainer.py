@@ -39,6 +39,7 @@ Run alone against servers and an actor already running:
 import contextlib
 import logging
 import math
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -439,13 +440,34 @@ def train_until_stopped(
         args, f"grpo_{args.schedule.mode}", accelerator, resume_after_step=version if args.resume else None
     )
     servers = ServerUpdates(args, server_urls, sends=main)
-    # with no server left to update, no samples would ever come: checked while waiting for them
-    stream = GroupReader(args, start=learner.stream_position, while_waiting=servers.check)
+    alone = accelerator is None or accelerator.num_processes == 1
+
+    def while_waiting() -> None:
+        """With no server left to update, no samples would ever come; after a signal to every process of a job (the
+        actor's too) none may come either, so one process stops there (several would have to agree: they wait)."""
+        servers.check()
+        if alone and stop.received:
+            raise SignalledWhileWaiting
+
+    stream = GroupReader(args, start=learner.stream_position, while_waiting=while_waiting)
+
+    def stopped_after(step: int, signal_name: str) -> preemption.Preempted:
+        """The stop after `step`, checkpointed: the stream and the tracker closed."""
+        stream.close()
+        tracker.finish()
+        return preemption.stopped(step, args.optim.steps, "step", signal_name)
+
     timer = StepTimer()
     schedule = args.run_schedule()
     while version < args.optim.steps:
         timer.waiting_for_data()
-        groups = stream.read_step(version)
+        try:
+            groups = stream.read_step(version)
+        except SignalledWhileWaiting:
+            checkpoints.save_checkpoint(
+                args, model, learner.tokenizer, optimizer, version, stream.position, accelerator
+            )
+            raise stopped_after(version, signal.Signals(stop.received).name) from None
         timer.training()
         samples = flatten_groups(groups)
         rewards = torch.tensor([s.reward for s in samples])
@@ -464,12 +486,14 @@ def train_until_stopped(
                 args, model, learner.tokenizer, optimizer, version, stream.position, accelerator
             )
         if signal_name and version < args.optim.steps:
-            stream.close()
-            tracker.finish()
-            raise preemption.stopped(version, args.optim.steps, "step", signal_name)
+            raise stopped_after(version, signal_name)
     servers.wait()
     stream.close()
     tracker.finish()
+
+
+class SignalledWhileWaiting(Exception):
+    """A one-process trainer received a signal to stop while it waited for the stream."""
 
 
 def optimizer_step(

@@ -14,10 +14,10 @@ import tyro
 from . import cli, labelers, tasks
 from .data import Labels, QuerySampler, format_queries, write_labels
 from .models import load_causal_lm
+from .progress import progress_bar
 from .sampling import sample_responses
 from .tasks import TaskHParams
 from .text import contains_truncate_token, load_tokenizer, strip_pad, truncate_after_token
-from .tracking import progress_bar
 
 
 @dataclass

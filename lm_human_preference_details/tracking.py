@@ -12,7 +12,6 @@ import itertools
 import json
 import math
 import os
-import sys
 import uuid
 from dataclasses import dataclass
 from typing import Literal
@@ -147,24 +146,6 @@ class Tracker:
         self.samples_file.close()
         if self.wandb is not None:
             self.wandb.finish()
-
-
-def progress_bar(total: int, desc: str, unit: str, *, enabled: bool = True, initial: int = 0):
-    """A tqdm bar on stderr for a long phase (labels made, reward-model batches, PPO updates), as the Hugging
-    Face libraries show one: only where `enabled` (the main process) and only while stderr is a terminal
-    (tqdm's `disable=None`), so logs and tests get the phase's own lines and no redraws. Lines printed while it
-    runs go through its `write`, which puts them above the bar (a plain print would break the bar's line)."""
-    from tqdm import tqdm
-
-    return tqdm(
-        total=total,
-        initial=initial,
-        desc=desc,
-        unit=unit,
-        file=sys.stderr,
-        disable=None if enabled else True,
-        dynamic_ncols=True,
-    )
 
 
 LOGS = ("metrics.jsonl", "samples.jsonl")

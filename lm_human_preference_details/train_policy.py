@@ -42,10 +42,11 @@ from lm_human_preference_details import (
 from lm_human_preference_details.data import format_queries
 from lm_human_preference_details.models import PolicyAndValue, RewardModel, load_causal_lm, logprobs_of
 from lm_human_preference_details.optim import OptimizerName, make_optimizer
+from lm_human_preference_details.progress import progress_bar
 from lm_human_preference_details.sampling import StageHooks
 from lm_human_preference_details.tasks import TaskHParams
 from lm_human_preference_details.text import contains_truncate_token, load_tokenizer, strip_pad, truncate_after_token
-from lm_human_preference_details.tracking import RunArgs, Tracker, earlier_logs, progress_bar, refuse_to_overwrite
+from lm_human_preference_details.tracking import RunArgs, Tracker, earlier_logs, refuse_to_overwrite
 
 
 @dataclass

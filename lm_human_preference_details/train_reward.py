@@ -30,10 +30,11 @@ from lm_human_preference_details.data import Labels, QuerySampler, format_querie
 from lm_human_preference_details.make_labels import make_labels
 from lm_human_preference_details.models import RewardModel, load_causal_lm
 from lm_human_preference_details.optim import OptimizerName, make_optimizer
+from lm_human_preference_details.progress import progress_bar
 from lm_human_preference_details.sampling import StageHooks, sample_responses
 from lm_human_preference_details.tasks import LabelHParams, TaskHParams
 from lm_human_preference_details.text import load_tokenizer
-from lm_human_preference_details.tracking import RunArgs, Tracker, progress_bar
+from lm_human_preference_details.tracking import RunArgs, Tracker
 
 
 @dataclass

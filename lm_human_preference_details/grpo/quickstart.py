@@ -34,7 +34,8 @@ from lm_human_preference_details.grpo.rewards import (
     math_reward,
     problem_family,
 )
-from lm_human_preference_details.tracking import plot_curves, progress_bar, read_metrics, refuse_to_overwrite
+from lm_human_preference_details.progress import progress_bar
+from lm_human_preference_details.tracking import plot_curves, read_metrics, refuse_to_overwrite
 
 PRESET = "arith-chat"
 HELD_OUT = 100

@@ -1,6 +1,7 @@
 """The reasoning quickstart's code path on the tiny preset: held-out problems answered before and after a real
 pipelined GRPO run, a PNG, the answers printed."""
 
+import io
 import json
 import re
 import subprocess
@@ -23,6 +24,20 @@ def test_held_out_problems_are_those_the_training_stream_never_shows():
     args.task.num_problems = 0  # all 25 sums in the stream: nothing left
     with pytest.raises(UserError, match="none is left to hold out"):
         quickstart.held_out_problems(args)
+
+
+def test_held_out_answering_logs_its_progress_where_stderr_is_not_a_terminal(monkeypatch):
+    """Answering 100 problems takes minutes before and after training: a log file gets lines saying how far it is
+    (answered here by the untrained `tiny` model, built in a second where `tiny-math` trains for minutes)."""
+    stderr = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    args = get_preset("tiny")
+    args.task.num_problems = 20
+    problems = quickstart.held_out_problems(args)[:2]
+    assert len(quickstart.answers("tiny", args, problems, seed=0)) == 2  # a model built in a second
+    lines = [line for line in stderr.getvalue().splitlines() if line.startswith("held-out answers")]
+    assert lines[0] == "held-out answers: 0/2 (0%), ?problem/s, 00:00 elapsed, ? left", lines
+    assert lines[-1].startswith("held-out answers: 2/2 (100%), "), lines
 
 
 def test_the_arith_family_is_every_expression_of_its_digits():

@@ -230,7 +230,8 @@ def test_make_labels_refuses_sizes_that_make_no_labels(tmp_path, flags, message)
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [message], result.stderr
 
 
-def test_make_labels_cli_writes_oai_format(tmp_path):
+def test_make_labels_cli_writes_oai_format_and_logs_its_progress(tmp_path):
+    """With its output in a pipe (a log file on a cluster) the labelling still says where it is, in plain lines."""
     out = tmp_path / "labels.json"
     cmd = [
         sys.executable,
@@ -245,6 +246,9 @@ def test_make_labels_cli_writes_oai_format(tmp_path):
     ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
+    progress = [line for line in result.stderr.splitlines() if line.startswith("labels: ")]
+    assert progress[0] == "labels: 0/10 (0%), ?label/s, 00:00 elapsed, ? left", result.stderr
+    assert progress[-1].startswith("labels: 10/10 (100%), "), result.stderr
     records = json.loads(out.read_text())
     task = get_preset("tiny").task
     assert len(records) == 10

@@ -1,13 +1,11 @@
 """The run's files and its wandb run (offline: the real wandb library, writing its own run folders)."""
 
-import io
 import json
-import sys
 
 import pytest
 
 from lm_human_preference_details.cli import UserError
-from lm_human_preference_details.tracking import Tracker, progress_bar, read_metrics
+from lm_human_preference_details.tracking import Tracker, read_metrics
 
 
 def track(output_dir, name: str, resume_after_step: int | None = None, steps=(1, 2)) -> str:
@@ -71,21 +69,3 @@ def test_a_resumed_run_moves_what_was_logged_after_its_checkpoint_to_a_file_of_i
         assert said.endswith(f"are moved to {aside}\n"), said
         assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
     assert not (tmp_path / "metrics.jsonl.tmp").exists()
-
-
-class Terminal(io.StringIO):
-    def isatty(self) -> bool:
-        return True
-
-
-@pytest.mark.parametrize("terminal, main_process", [(True, True), (False, True), (True, False)])
-def test_progress_bar_is_drawn_in_a_terminal_by_the_main_process_alone(monkeypatch, capsys, terminal, main_process):
-    """A log or a test (stderr not a terminal) gets no bar redraws, nor does a process other than the main one;
-    a line written through the bar goes to stdout whether or not the bar is drawn."""
-    stderr = Terminal() if terminal else io.StringIO()
-    monkeypatch.setattr(sys, "stderr", stderr)
-    with progress_bar(4, "labels", "label", enabled=main_process) as bar:
-        bar.update(4)
-        bar.write("a line")
-    assert ("labels: 100%" in stderr.getvalue() and "4/4" in stderr.getvalue()) == (terminal and main_process)
-    assert capsys.readouterr().out == "a line\n"

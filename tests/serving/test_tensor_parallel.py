@@ -94,9 +94,8 @@ def test_an_update_reaches_both_workers(engine_server, model_dir, staging):
 
 def test_a_failed_prepare_rolls_back_on_both_workers(engine_server, model_dir, staging):
     """Staged: the workers fail halfway through loading an update into their shadows; the old weights keep serving
-    (its logprobs, its digest), and the next update, into new shadows, serves."""
-    if staging != "staged":
-        pytest.skip("in_place prepares nothing before the pause")
+    (its logprobs, its digest), and the next update, into new shadows, serves. In place nothing is prepared before
+    the pause, so the same update loads and serves."""
     url = engine_server.url
     serving, failing = load_causal_lm(model_dir), load_causal_lm(model_dir)
     perturb(serving, scale=0.1)
@@ -106,13 +105,21 @@ def test_a_failed_prepare_rolls_back_on_both_workers(engine_server, model_dir, s
     assert sender.push(serving, version) == [] and sender.wait() == []
     request_json("GET", f"{url}/health?wait_for_version={version}&timeout_s=60")
     assert sender.push(failing, FAIL_PREPARE_AT) == [] and sender.wait() == []  # received: the prepare fails after
+    prompt = prompt_ids(url, "12+34=")
+    if staging == "in_place":
+        request_json("GET", f"{url}/health?wait_for_version={FAIL_PREPARE_AT}&timeout_s=60")
+        choice = sampled(url, prompt, 16)
+        assert choice["model_versions"] == [FAIL_PREPARE_AT] * 16
+        assert choice["logprobs"]["token_logprobs"] == pytest.approx(
+            sequence_logprobs(failing, prompt, choice["token_ids"]), abs=2e-4
+        )
+        return
     for _ in range(600):
         health = request_json("GET", f"{url}/health")
         if health["update_error"]:
             break
         time.sleep(0.1)
     assert health["model_version"] == version and "preparing failed" in health["update_error"]
-    prompt = prompt_ids(url, "12+34=")
     choice = sampled(url, prompt, 16)
     assert choice["model_versions"] == [version] * 16
     assert choice["logprobs"]["token_logprobs"] == pytest.approx(

@@ -36,6 +36,7 @@ Run alone against servers and an actor already running:
 `--trainer-processes N`)
 """
 
+import collections
 import contextlib
 import logging
 import math
@@ -671,13 +672,12 @@ class ServerUpdates:
         push cannot overlap the next optimizer step as one process's does: the step waits for it. Returns the
         servers dropped (on the first process)."""
         parameters = list(model.named_parameters())  # a tied weight once, named as the servers check
-        tensors = [p for _, p in parameters]
-        if self.sender is None:  # joins the gathers only
-            for _ in sharding.gathered_buckets(tensors, [[i] for i in range(len(tensors))], None):
-                pass
-            return []
         specs = tensor_specs(parameters, self.dtype)
-        flat_buckets = sharding.gathered_buckets(tensors, buckets(specs, bucket_bytes), self.dtype)
+        # without a sender `dtype` is None: this process joins each gather and keeps nothing
+        flat_buckets = sharding.gathered_buckets([p for _, p in parameters], buckets(specs, bucket_bytes), self.dtype)
+        if self.sender is None:
+            collections.deque(flat_buckets, maxlen=0)
+            return []
         return self.sender.push_streamed(specs, flat_buckets, version, bucket_bytes)
 
     def check(self) -> None:

@@ -187,8 +187,8 @@ def _queued_before(tensor: torch.Tensor) -> "torch.cuda.Event | None":
 
 class BufferPool:
     """Flat buffers kept between updates, to be written again: on a CPU a fresh buffer's pages are faulted in and
-    zeroed by the kernel as they are first written, which costs more than the copy or the receive into them (twice
-    as long for SmolLM2's 513 MiB; benchmarks/README.md). A buffer is taken again only for a bucket of its very
+    zeroed by the kernel as they are first written, which costs more than the copy or the receive into them
+    (benchmarks/README.md). A buffer is taken again only for a bucket of its very
     size and dtype, and nothing else may hold one that was given back. On a GPU the caching allocator already
     reuses memory, so the pool keeps nothing there. Safe to use from several threads."""
 
@@ -339,18 +339,12 @@ class WeightSender:
         when nothing can be sent (a refusal, no server left), and only then is that raised: the processes that
         gather with this one are still gathering."""
         self._queue.join()  # the sender thread's push in flight reaches the servers first
-        try:
-            self.check()
-        except Exception:
-            for _ in flat_buckets:
-                pass
-            raise
         ready = ((bucket, _queued_before(bucket)) for bucket in flat_buckets)
         try:
+            self.check()
             self._send(specs, ready, version, bucket_bytes, in_flight=1)
         except BaseException:
-            for _ in ready:  # the other processes are still gathering: they need this one in every collective
-                pass
+            collections.deque(ready, maxlen=0)  # the other processes still gather: they need this one in each gather
             raise
         self._raise_if_failed()
         return self._take_dropped()

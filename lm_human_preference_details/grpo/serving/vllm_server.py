@@ -646,9 +646,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="staged",
         choices=get_args(WeightStaging),
         help="staged: load and repack each update into a second copy of the model while generation goes on, then "
-        "pause only to swap it in (a second copy of the weights in memory: 0.8-0.9 GB for SmolLM2-135M float32); "
-        "in_place: load into the serving model while generation is paused (about 0.5 s for it on a CPU), for when "
-        "memory is short",
+        "pause only to swap it in (a second, packed copy of the weights in memory); in_place: load into the serving "
+        "model while generation is paused (a longer pause: benchmarks/README.md), for when memory is short",
     )
     parser.add_argument(
         "--cache-dir", default="", help="vLLM's caches and sockets (default: a temporary folder removed at exit)"

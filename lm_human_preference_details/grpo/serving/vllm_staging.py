@@ -19,9 +19,9 @@ reload runs on a shadow of the model instead, while the live model generates, an
 
 Between updates the shadow's attributes are the live model's objects, so the attributes a reload rebinds are those
 no longer the live one's. Memory: the shadow holds a second copy of the weights, packed, for as long as the server
-lives; the old packed weights are freed when the next update rebinds them. SmolLM2-135M float32 (0.54 GB of
-weights): 0.8-0.9 GB more resident memory than `in_place` (its tied embedding is packed twice, for the embedding and
-for the head, in the shadow as in the live model, and the embedding itself is cloned).
+lives; the old packed weights are freed when the next update rebinds them. A tied embedding costs more than its
+share: it is packed twice (for the embedding and for the head) in the shadow as in the live model, and cloned too
+(the measured cost: benchmarks/README.md, "Weight updates against the transport").
 Departure from vLLM: none of its code is changed; the reload runs as vLLM's own, on modules vLLM does not know of.
 """
 

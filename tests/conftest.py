@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
@@ -154,6 +155,30 @@ def signal_once_logged(process: subprocess.Popen, metrics_path, step: int) -> tu
             return logged[-1], below
         time.sleep(0.02)
     raise AssertionError(f"the run ended before step {step} (status {process.poll()})")
+
+
+LOG_SILENCE_LIMIT_S = 60.0
+"""the longest a run's log file may go without a line: a cluster user takes a longer silence for a hang"""
+
+
+def run_into_log(cmd: list[str], timeout_s: float = 600) -> tuple[str, float]:
+    """`cmd` with stdout and stderr into one pipe, as a cluster job's log file gets them (not a terminal: progress bars
+    print lines); its output, and the longest it went without a line (from its start to its end). AssertionError
+    with the output's tail if it fails."""
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    killer = threading.Timer(timeout_s, process.kill)  # a run that hangs silent ends too
+    killer.start()
+    lines, last, longest = [], time.monotonic(), 0.0
+    for line in process.stdout:  # a line at a time: each stamped as it comes
+        now = time.monotonic()
+        longest, last = max(longest, now - last), now
+        lines.append(line)
+    status = process.wait()
+    killer.cancel()
+    longest = max(longest, time.monotonic() - last)
+    output = "".join(lines)
+    assert status == 0, f"exit status {status}:\n{output[-4000:]}"
+    return output, longest
 
 
 def accelerate_two_processes(config_file: str | None = None) -> tuple[str, ...]:

@@ -16,7 +16,14 @@ from lm_human_preference_details import cli, sharding, train_policy
 from lm_human_preference_details.models import PolicyAndValue, RewardModel, load_causal_lm
 from lm_human_preference_details.text import load_tokenizer
 from lm_human_preference_details.tracking import read_metrics
-from tests.conftest import accelerate_two_processes, alive, command_line, signal_once_logged
+from tests.conftest import (
+    LOG_SILENCE_LIMIT_S,
+    accelerate_two_processes,
+    alive,
+    command_line,
+    run_into_log,
+    signal_once_logged,
+)
 
 QUIET = ("--wandb-mode", "disabled")
 
@@ -352,7 +359,8 @@ def assert_one_line_error(monkeypatch, capsys, argv, message):
 
 @pytest.mark.slow
 def test_quickstart_runs_through_on_the_tiny_preset(tmp_path):
-    """The quickstart's own code path (labels, reward model, PPO, plot, before/after) on the tiny preset."""
+    """The quickstart's own code path (labels, reward model, PPO, plot, before/after) on the tiny preset, its output
+    into a pipe as into a cluster job's log file: never a minute without a line."""
     cmd = [
         sys.executable,
         "-m",
@@ -365,8 +373,9 @@ def test_quickstart_runs_through_on_the_tiny_preset(tmp_path):
         str(64 * 4),
         *QUIET,
     ]
-    result = run(cmd)
-    assert "the same queries, before and after PPO" in result.stdout
-    assert "vowels score of the policy's samples" in result.stdout
+    printed, longest_silence_s = run_into_log(cmd)
+    assert "the same queries, before and after PPO" in printed
+    assert "vowels score of the policy's samples" in printed
+    assert longest_silence_s < LOG_SILENCE_LIMIT_S, printed
     png = tmp_path / "learning_curves.png"
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

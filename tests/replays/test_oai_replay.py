@@ -120,7 +120,7 @@ def oai(tmp_path_factory):
     """Each shape's files and OAI's record of its run (one TensorFlow subprocess for all)."""
     folder = tmp_path_factory.mktemp("oai_replay")
     prepared = [prepare(shape, str(folder / shape.name)) for shape in SHAPES]
-    return {p.shape.name: (p, record) for p, record in zip(prepared, run_oai(prepared, str(folder)))}
+    return {p.shape.name: (p, record) for p, record in zip(prepared, run_oai(prepared, str(folder))[0])}
 
 
 def assert_updates_match(oai_params: list[dict], port_params: list[dict], name: str) -> float:

@@ -4,10 +4,10 @@ IN is a pickle of a list of runs, each a dict: `stage` (`policy`: `train_policy.
 `PPOTrainer.step()` runs every update; `reward`: `train_reward.train`, whose `RewardModelTrainer.train()`
 runs), `model` (OAI's model HParams for its model named 'test', which skips checkpoints), `hparams` (the
 stage's HParams, dotted keys) and `weights` (`{OAI variable name: array}`, loaded before the first update
-over OAI's random initialization: the port's initial weights). Run from tests/. OUT receives a pickle of
-one record per run: the queries, the sampled responses and the numpy permutations OAI drew, its logged
-statistics and its parameters after every update. Recording wraps OAI's functions from outside; none of its
-code changes.
+over OAI's random initialization: the port's initial weights). Run from tests/, alone or as the ranks of
+`mpirun`. Each rank writes `OUT.RANK`, a pickle of one record per run: the queries, the sampled responses and
+the numpy permutations OAI drew on that rank, the label order rank 0 broadcast, its logged statistics and its
+parameters after every update. Recording wraps OAI's functions from outside; none of its code changes.
 """
 
 import contextlib
@@ -42,6 +42,20 @@ def recorded(function, into: list):
         return into[-1]
 
     return call
+
+
+class BroadcastsRecorded:
+    """An MPI communicator whose `bcast` results are appended to `into` (mpi4py's own takes no new attributes)."""
+
+    def __init__(self, comm, into: list):
+        self.comm, self.into = comm, into
+
+    def bcast(self, value, root=0):
+        self.into.append(self.comm.bcast(value, root=root))
+        return self.into[-1]
+
+    def __getattr__(self, name):
+        return getattr(self.comm, name)
 
 
 @contextlib.contextmanager
@@ -96,7 +110,7 @@ def run_reward(run: dict, record: dict) -> None:
     from lm_human_preferences import train_reward
 
     train_labels = train_reward.RewardModelTrainer.train
-    record["normalize_samples"], record["normalize_stats"] = [], []
+    record["normalize_samples"], record["normalize_stats"], record["label_orders"] = [], [], []
 
     def recorded_train(self):
         session = tf.get_default_session()
@@ -108,6 +122,9 @@ def run_reward(run: dict, record: dict) -> None:
             record["updates"].append(dict(params=trainable_values(session, "reward_model/")))
 
         self.train_batch = recorded_train_batch
+        # the label order every rank trains in: rank 0's permutation, broadcast
+        # OAI: lm_human_preferences/train_reward.py#L241
+        self.comm = BroadcastsRecorded(self.comm, record["label_orders"])
         # one list of (queries, responses) batches per normalization
         self.sample_policy_responses = recorded(self.sample_policy_responses, record["normalize_samples"])
         self.stats = recorded(self.stats, record["normalize_stats"])
@@ -123,6 +140,7 @@ def main(in_path: str, out_path: str) -> None:
     import numpy as np
     from lm_human_preferences.language import model, trained_models
     from lm_human_preferences.utils import gcs
+    from mpi4py import MPI
 
     gcs.download_file_cached = lambda path, comm=None: path  # the label files are local
     with open(in_path, "rb") as f:
@@ -137,7 +155,7 @@ def main(in_path: str, out_path: str) -> None:
         {"policy": run_policy, "reward": run_reward}[run["stage"]](run, record)
         record["permutations"], permutations[:] = list(permutations), []
         records.append(record)
-    with open(out_path, "wb") as f:
+    with open(f"{out_path}.{MPI.COMM_WORLD.Get_rank()}", "wb") as f:
         pickle.dump(records, f)
 
 

@@ -266,23 +266,25 @@ def prepare(shape: Shape, folder: str) -> Prepared:
     return prepared
 
 
-def run_oai(prepared: list[Prepared], folder: str) -> list[dict]:
-    """OAI's trainers on every shape, in one subprocess (TensorFlow's start is most of its time)."""
+def run_oai(prepared: list[Prepared], folder: str, ranks: int = 1) -> list[list[dict]]:
+    """OAI's trainers on every shape, in one subprocess (TensorFlow's start is most of its time), or in `ranks`
+    processes of `mpirun`; each rank's records."""
     in_path, out_path = os.path.join(folder, "oai_in.pkl"), os.path.join(folder, "oai_out.pkl")
     with open(in_path, "wb") as f:
         pickle.dump([p.oai_run() for p in prepared], f)
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=TESTS)
-    result = subprocess.run(
-        [sys.executable, "-m", "oai_replay.oai_run", in_path, out_path],
-        cwd=folder,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    command = [sys.executable, "-m", "oai_replay.oai_run", in_path, out_path]
+    if ranks > 1:
+        # as root too (CI's containers), more ranks than cores, and no rank pinned to a core of a shared machine
+        env |= dict(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+        command = ["mpirun", "-np", str(ranks), "--oversubscribe", "--bind-to", "none", *command]
+    result = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-5000:]
-    with open(out_path, "rb") as f:
-        return pickle.load(f)
+    records = []
+    for rank in range(ranks):
+        with open(f"{out_path}.{rank}", "rb") as f:
+            records.append(pickle.load(f))
+    return records
 
 
 class RecordedQueries:
@@ -371,7 +373,7 @@ def replay_reward(prepared: Prepared, record: dict, output_dir: str) -> tuple[li
     hooks = replay_hooks(
         [q for q, _ in batches],
         [r for _, r in batches],
-        record["permutations"],
+        record["label_orders"],
         pad_id,
         snapshots,
         reward_model_to_oai,

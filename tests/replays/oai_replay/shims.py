@@ -1,7 +1,8 @@
 """What OpenAI's 2019 TF1 code imports, under today's TensorFlow 2 and Python 3.11.
 
 `install()` swaps `tensorflow` for `tf.compat.v1` process-wide, so it runs only in the OAI subprocess
-(`tests/replays/oai_replay/oai_run.py`), never in pytest's.
+(`tests/replays/oai_replay/oai_run.py`), never in pytest's. A process that `mpirun` started keeps the real mpi4py;
+one started alone gets a one-rank stand-in (`OneRankComm`).
 """
 
 import collections
@@ -36,6 +37,11 @@ class OneRankComm:
         return value
 
 
+def under_mpirun() -> bool:
+    """Whether Open MPI's `mpirun` started this process as one of its ranks."""
+    return "OMPI_COMM_WORLD_SIZE" in os.environ
+
+
 def install() -> None:
     import tensorflow as tf2
     import typeguard
@@ -58,9 +64,10 @@ def install() -> None:
     # OAI calls typeguard 2's check_type(name, value, type); typeguard 4 takes (value, type)
     check_type = typeguard.check_type
     _module("typeguard", check_type=lambda name, value, expected: check_type(value, expected))
-    mpi = types.SimpleNamespace(COMM_WORLD=OneRankComm(), SUM="sum")
-    _module("mpi4py", MPI=mpi)
-    _module("mpi4py.MPI", **vars(mpi))
+    if not under_mpirun():
+        mpi = types.SimpleNamespace(COMM_WORLD=OneRankComm(), SUM="sum")
+        _module("mpi4py", MPI=mpi)
+        _module("mpi4py.MPI", **vars(mpi))
     # utils/gcs.py imports Google Cloud's client at the top; nothing offline calls it
     _module("google.api_core.exceptions", InternalServerError=Exception, ServiceUnavailable=Exception)
     _module("google.cloud", storage=_module("google.cloud.storage"))

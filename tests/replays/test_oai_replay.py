@@ -1,6 +1,9 @@
 """OpenAI's own lm-human-preferences (third_party/, TF1 under tf.compat.v1) trains; this project's unmodified stage
 functions replay its runs from the same weights, queries, sampled responses and shuffles, and must end every
-update with the same parameters and statistics (tests/replays/oai_replay/replay.py says how)."""
+update with the same parameters and statistics (tests/replays/oai_replay/replay.py says how): as one process, and as
+two (OAI's code under `mpirun`, the port under `accelerate launch`)."""
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -8,7 +11,16 @@ import torch
 
 from lm_human_preference_details.tasks import LabelHParams, TaskHParams
 from lm_human_preference_details.train_policy import PPOHParams, RewardHParams
-from tests.replays.oai_replay.replay import Shape, max_difference, prepare, replay_policy, replay_reward, run_oai
+from tests.replays.oai_replay.replay import (
+    RanksJob,
+    Shape,
+    max_difference,
+    prepare,
+    replay_on_ranks,
+    replay_policy,
+    replay_reward,
+    run_oai,
+)
 
 pytestmark = pytest.mark.slow  # TensorFlow trains OpenAI's code first: a minute and more
 
@@ -77,6 +89,12 @@ SHAPES = [
         ),
     ),
 ]
+TWO_RANKS = [
+    # sentiment with twice the batch, so that each rank's minibatch has the 8 rows OAI's whitening asks for
+    # (# OAI: lm_human_preferences/train_policy.py#L459-L462): 3 updates of 2 minibatches x 3 epochs on each rank
+    replace(SHAPES[0], ppo=replace(SHAPES[0].ppo, total_episodes=96, batch_size=32)),
+    SHAPES[3],  # each rank trains on 4 labels of each batch of 8 and draws half of each normalization's samples
+]
 STATS = {  # the port's name: OAI's (# OAI: lm_human_preferences/train_policy.py#L217-L262)
     "objective/kl": "objective/kl",
     "objective/kl_coef": "objective/kl_coef",
@@ -140,19 +158,28 @@ def assert_moved(first: dict, last: dict) -> None:
     assert max_difference(first, last)[0] > 100 * TOLERANCE
 
 
-@pytest.mark.parametrize("name", ["sentiment", "descriptiveness", "tldr"])
-def test_ppo_matches_oai_update_by_update(oai, tmp_path, name):
-    prepared, record = oai[name]
-    params, metrics = replay_policy(prepared, record, str(tmp_path))
+def assert_stats_match(oai_stats: dict, port_metrics: dict, keys, where: str) -> None:
+    """The port's logged statistics `keys` (STATS's) within the replay's tolerance of OAI's."""
+    for port_key in keys:
+        np.testing.assert_allclose(
+            port_metrics[port_key], oai_stats[STATS[port_key]], rtol=1e-4, atol=1e-5, err_msg=f"{where}: {port_key}"
+        )
+
+
+def assert_policy_matches(prepared, record: dict, params: list, metrics: list, name: str) -> None:
+    """A replay of stage 2: every update's parameters and logged statistics as OAI's."""
     assert_updates_match([u["params"] for u in record["updates"]], params, name)
     assert_moved(params[0], params[-1])
     for update, (theirs, ours) in enumerate(zip(record["updates"], metrics), start=1):
-        for port_key, oai_key in STATS.items():
-            np.testing.assert_allclose(
-                ours[port_key], theirs["stats"][oai_key], rtol=1e-4, atol=1e-5, err_msg=f"update {update}: {port_key}"
-            )
+        assert_stats_match(theirs["stats"], ours, STATS, f"{name}: update {update}")
     if prepared.shape.rewards.adaptive_kl:  # the controller moved, as OAI's did
         assert metrics[-1]["objective/kl_coef"] != prepared.shape.rewards.kl_coef
+
+
+@pytest.mark.parametrize("name", ["sentiment", "descriptiveness", "tldr"])
+def test_ppo_matches_oai_update_by_update(oai, tmp_path, name):
+    prepared, record = oai[name]
+    assert_policy_matches(prepared, record, *replay_policy(prepared, record, str(tmp_path)), name)
 
 
 def test_gradient_accumulation_matches_oais_single_step(oai, tmp_path):
@@ -171,14 +198,14 @@ def test_torch_adam_is_caught(oai, tmp_path):
     assert difference > 100 * TOLERANCE
 
 
-def test_reward_model_matches_oai_with_normalization_before_and_after(oai, tmp_path):
-    prepared, record = oai["reward"]
-    params, final, metrics = replay_reward(prepared, record, str(tmp_path))
-    worst = assert_updates_match([u["params"] for u in record["updates"]], params, "reward")
+def assert_reward_matches(record: dict, params: list, final: dict, metrics: dict, name: str) -> None:
+    """A replay of stage 1: every update's parameters, those after normalizing at the end, and the normalizations'
+    means and stds as OAI's."""
+    worst = assert_updates_match([u["params"] for u in record["updates"]], params, name)
     assert_moved(params[0], params[-1])
     difference, parameter = max_difference(record["final_params"], final)
-    assert difference <= TOLERANCE, f"after normalizing: {parameter} differs by {difference:.2e}"
-    print(f"reward: after normalizing at the end, within {max(worst, difference):.1e}")
+    assert difference <= TOLERANCE, f"{name}: after normalizing: {parameter} differs by {difference:.2e}"
+    print(f"{name}: after normalizing at the end, within {max(worst, difference):.1e}")
     (before_mean, before_std), (after_mean, after_std) = record["normalize_stats"]
     np.testing.assert_allclose(
         [metrics[f"norm/{w}/{s}"] for w in ("before", "after") for s in ("mean", "std")],
@@ -186,3 +213,40 @@ def test_reward_model_matches_oai_with_normalization_before_and_after(oai, tmp_p
         rtol=1e-5,
         atol=1e-6,
     )
+
+
+def test_reward_model_matches_oai_with_normalization_before_and_after(oai, tmp_path):
+    prepared, record = oai["reward"]
+    assert_reward_matches(record, *replay_reward(prepared, record, str(tmp_path)), "reward")
+
+
+def test_two_ranks_match_oai_under_mpi_and_whitening_over_both_is_caught(tmp_path):
+    """OAI's code as the 2 ranks of `mpirun` (real MPI), the port as the 2 processes of `accelerate launch` (gloo),
+    each process replaying its rank's queries, samples and shuffles: per-rank batches and minibatches, whitening
+    over each rank's own rows, gradients and statistics averaged over ranks, the KL controller fed the averaged KL,
+    reward normalization from sums over ranks, the label order broadcast from rank 0, each rank's share of it.
+    The control whitens over both ranks' rows: the rollout is still OAI's, the first update is not."""
+    prepared = [prepare(shape, str(tmp_path / shape.name)) for shape in TWO_RANKS]
+    oai_ranks = run_oai(prepared, str(tmp_path), ranks=2)  # [rank][shape]
+    by_rank = [[runs[i] for runs in oai_ranks] for i in range(len(prepared))]  # [shape][rank]
+    policy, reward = prepared
+    jobs = [
+        RanksJob(policy, by_rank[0], str(tmp_path / "port_policy")),
+        RanksJob(reward, by_rank[1], str(tmp_path / "port_reward")),
+        RanksJob(policy, by_rank[0], str(tmp_path / "port_control"), whiten_over_all=True),
+    ]
+    port_ranks = replay_on_ranks(jobs, str(tmp_path))  # [rank][job]
+    for rank, ((oai_policy, oai_reward), (policy_run, reward_run, control)) in enumerate(zip(oai_ranks, port_ranks)):
+        assert_policy_matches(policy, oai_policy, *policy_run, f"sentiment, rank {rank}")
+        assert_reward_matches(oai_reward, *reward_run, f"reward, rank {rank}")
+        control_params, control_metrics = control
+        with pytest.raises(AssertionError, match=f"rank {rank}: update 1: policy/"):
+            assert_updates_match([u["params"] for u in oai_policy["updates"]], control_params, f"control, rank {rank}")
+        first = oai_policy["updates"][0]["stats"]
+        assert_stats_match(first, control_metrics[0], [k for k in STATS if k.startswith("objective/")], "control")
+        with pytest.raises(AssertionError, match="ppo/returns/var"):  # built from the whitened rewards
+            assert_stats_match(first, control_metrics[0], ["ppo/returns/var"], "control")
+    # the ranks replayed different rollouts, and rank 0's label order on both
+    assert not np.array_equal(oai_ranks[0][0]["updates"][0]["queries"], oai_ranks[1][0]["updates"][0]["queries"])
+    assert not np.array_equal(oai_ranks[0][1]["permutations"][0], oai_ranks[1][1]["permutations"][0])
+    assert np.array_equal(oai_ranks[0][1]["label_orders"][0], oai_ranks[1][1]["label_orders"][0])

@@ -8,6 +8,8 @@ For each shape (a task and its PPO or reward-model settings, at the size of a 2-
   3. `train_policy.train` / `train_reward.train` run with `StageHooks` that hand them OAI's queries (moved from
      OAI's right padding to the port's left padding), responses and permutations, and that read the port's
      parameters after every update under OAI's variable names.
+Across ranks: OAI's trainers run as the ranks of `mpirun` (`run_oai(ranks=2)`), each recording its own run, and
+the port's as the processes of `accelerate launch` (`replay_on_ranks`, `on_ranks.py`), each replaying its rank's.
 """
 
 import json
@@ -35,6 +37,7 @@ OAI_PAD = len(OAI_VOCAB)  # OAI: lm_human_preferences/language/encodings.py#L153
 MODEL = dict(n_vocab=len(OAI_VOCAB), n_ctx=32, n_layer=2, n_embd=16, n_head=2)
 """OAI's model HParams for its `test` model, here larger than OAI's own test size (n_ctx 8) to fit the shapes"""
 TESTS = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+ROOT = os.path.dirname(TESTS)
 
 
 @dataclass(frozen=True)
@@ -287,6 +290,36 @@ def run_oai(prepared: list[Prepared], folder: str, ranks: int = 1) -> list[list[
     return records
 
 
+@dataclass
+class RanksJob:
+    """One replay in each process of a launch (`on_ranks.py`): process r replays `records[r]`, OAI's rank r's."""
+
+    prepared: Prepared
+    records: list[dict]
+    output_dir: str
+    whiten_over_all: bool = False
+    """the control: whiten each minibatch over all processes' rows (OAI: each rank's own)"""
+
+
+def replay_on_ranks(jobs: list[RanksJob], folder: str) -> list[list]:
+    """`replay_policy` / `replay_reward` of each job in both processes of one `accelerate launch`; each process's
+    results."""
+    from tests.conftest import accelerate_two_processes
+
+    in_path, out_path = os.path.join(folder, "port_in.pkl"), os.path.join(folder, "port_out.pkl")
+    with open(in_path, "wb") as f:
+        pickle.dump(jobs, f)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    command = [*accelerate_two_processes(), os.path.join(TESTS, "oai_replay", "on_ranks.py"), in_path, out_path]
+    result = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-5000:]
+    results = []
+    for rank in range(2):
+        with open(f"{out_path}.{rank}", "rb") as f:
+            results.append(pickle.load(f))
+    return results
+
+
 class RecordedQueries:
     """OAI's query batches, moved from its right padding (pad 27) to the port's left padding."""
 
@@ -323,8 +356,11 @@ def replay_hooks(queries: list, responses: list, permutations: list, pad_id: int
     )
 
 
-def replay_policy(prepared: Prepared, record: dict, output_dir: str, **ppo_overrides) -> tuple[list, list]:
-    """The port's stage 2 on OAI's rollouts: its parameters (OAI's names) and metrics after every update."""
+def replay_policy(
+    prepared: Prepared, record: dict, output_dir: str, accelerator=None, **ppo_overrides
+) -> tuple[list, list]:
+    """The port's stage 2 on OAI's rollouts (`record`: one rank's), in this process or in each of a launch's
+    (`accelerator`); its parameters (OAI's names) and metrics after every update."""
     shape = prepared.shape
     args = train_policy.Args(
         task=replace(shape.task, base_model=prepared.base),
@@ -347,15 +383,15 @@ def replay_policy(prepared: Prepared, record: dict, output_dir: str, **ppo_overr
         snapshots,
         policy_to_oai,
     )
-    train_policy.train(args, sharding.make_accelerator(), hooks)
-    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
-        metrics = [json.loads(line) for line in f]
-    return snapshots, metrics
+    accelerator = accelerator or sharding.make_accelerator()
+    train_policy.train(args, accelerator, hooks)
+    return snapshots, logged_metrics(output_dir, accelerator)
 
 
-def replay_reward(prepared: Prepared, record: dict, output_dir: str) -> tuple[list, dict]:
-    """The port's stage 1 on OAI's labels and normalization samples: its parameters (OAI's names) after every
-    update and after normalizing at the end."""
+def replay_reward(prepared: Prepared, record: dict, output_dir: str, accelerator=None) -> tuple[list, dict, dict]:
+    """The port's stage 1 on OAI's labels, label order and normalization samples (`record`: one rank's), in this
+    process or in each of a launch's (`accelerator`): its parameters (OAI's names) after every update and after
+    normalizing at the end, and its metrics."""
     shape = prepared.shape
     settings = dict(shape.reward)
     labels = replace(settings.pop("labels"), source=prepared.label_file)
@@ -378,10 +414,17 @@ def replay_reward(prepared: Prepared, record: dict, output_dir: str) -> tuple[li
         snapshots,
         reward_model_to_oai,
     )
-    path = train_reward.train(args, sharding.make_accelerator(), hooks)
-    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
-        metrics = {k: v for line in f for k, v in json.loads(line).items()}
+    accelerator = accelerator or sharding.make_accelerator()
+    path = train_reward.train(args, accelerator, hooks)
+    metrics = {k: v for line in logged_metrics(output_dir, accelerator) for k, v in line.items()}
     return snapshots, reward_model_to_oai(RewardModel.load(path)), metrics
+
+
+def logged_metrics(output_dir: str, accelerator) -> list[dict]:
+    """The lines of a stage's metrics.jsonl, once its main process, which writes them, is done."""
+    accelerator.wait_for_everyone()
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
 
 
 def max_difference(oai: dict[str, np.ndarray], port: dict[str, np.ndarray]) -> tuple[float, str]:

@@ -135,10 +135,18 @@ def reward_logits(reward_model, labels: Labels, pad_id: int) -> torch.Tensor:
 
 @torch.no_grad()
 def reference_reward_stats(
-    reward_model, ref_lm, sampler, task: TaskHParams, tokenizer, num_samples: int, accelerator, sample=None
+    reward_model,
+    ref_lm,
+    sampler,
+    task: TaskHParams,
+    tokenizer,
+    num_samples: int,
+    accelerator,
+    sample=None,
+    desc: str = "reference samples",
 ) -> tuple[float, float]:
     """Mean and population std of the reward of reference-policy samples, over all processes; `sample` draws
-    them (None: `sample_responses`).
+    them (None: `sample_responses`). Its batches are counted by a progress bar named `desc` (minutes on a CPU).
 
     Responses are sampled untruncated, from the formatted query; the reward model reads the bare query.
     # OAI: lm_human_preferences/train_reward.py#L162-L168 (stats)
@@ -146,8 +154,9 @@ def reference_reward_stats(
     """
     pad_id = tokenizer.oai_pad_token_id
     rollout_batch_size = sampler.batch_size * accelerator.num_processes
-    rewards = []
-    for _ in range(math.ceil(num_samples / rollout_batch_size)):
+    rewards, num_batches = [], math.ceil(num_samples / rollout_batch_size)
+    bar = progress_bar(num_batches, desc, "batch", enabled=accelerator.is_local_main_process)
+    for _ in range(num_batches):
         queries = next(sampler).to(accelerator.device)
         with accelerator.autocast():  # as the trained reward model's forward (accelerate's prepare wraps it)
             responses, _ = (sample or sample_responses)(
@@ -159,6 +168,8 @@ def reference_reward_stats(
                 vocab_size=len(tokenizer),
             )
             rewards.append(reward_model(torch.cat([queries, responses], dim=1), pad_id).float())
+        bar.update()
+    bar.close()
     rewards = torch.cat(rewards).double()
     sums = accelerator.reduce(
         torch.stack([rewards.sum(), rewards.square().sum(), rewards.new_tensor(float(len(rewards)))]), "sum"
@@ -181,11 +192,11 @@ def reference_query_sampler(args: Args, tokenizer, accelerator, hooks: StageHook
 
 def reference_reward_measure(
     args: Args, reward_model, ref_lm, tokenizer, accelerator, hooks: StageHooks, sampler
-) -> Callable[[int | None], tuple[float, float]]:
+) -> Callable[[int | None, str], tuple[float, float]]:
     """`normalize`'s measure: `reference_reward_stats` of a number of samples (None: `normalize_samples`), from
-    `sampler` (`reference_query_sampler`) and responses that `hooks.sample` draws."""
+    `sampler` (`reference_query_sampler`) and responses that `hooks.sample` draws, its progress named `desc`."""
 
-    def measure(num_samples: int | None) -> tuple[float, float]:
+    def measure(num_samples: int | None, desc: str) -> tuple[float, float]:
         return reference_reward_stats(
             reward_model,
             ref_lm,
@@ -195,6 +206,7 @@ def reference_reward_measure(
             num_samples or args.normalize_samples,
             accelerator,
             hooks.sample,
+            desc,
         )
 
     return measure
@@ -210,7 +222,7 @@ def normalize(reward_model, measure, debug_samples: int, tracker: Tracker, step:
     gain_and_bias = [reward_model.gain, reward_model.bias]  # written into the shards a sharded model gathers from
     with sharding.writing(accelerator, reward_model, gain_and_bias):
         reward_model.reset_reward_scale()
-    mean, std = measure(None)
+    mean, std = measure(None, f"normalize {when}")
     # OAI: lm_human_preferences/train_reward.py#L182-L186 asserts them finite
     if not (math.isfinite(mean) and math.isfinite(std) and std > 0):
         raise RuntimeError(
@@ -222,7 +234,9 @@ def normalize(reward_model, measure, debug_samples: int, tracker: Tracker, step:
         gain, bias = reward_model.gain_and_bias()
     stats = {f"norm/{when}/mean": mean, f"norm/{when}/std": std, f"norm/{when}/gain": gain, f"norm/{when}/bias": bias}
     if debug_samples:
-        stats[f"norm/{when}/check_mean"], stats[f"norm/{when}/check_std"] = measure(debug_samples)
+        stats[f"norm/{when}/check_mean"], stats[f"norm/{when}/check_std"] = measure(
+            debug_samples, f"normalize {when}, check"
+        )
     accelerator.print(f"normalize {when}: reward {mean:.4f} +- {std:.4f} -> gain {gain:.4f}, bias {bias:.4f}")
     tracker.log(step, stats)
 

@@ -257,9 +257,10 @@ def test_make_labels_cli_writes_oai_format_and_logs_its_progress(tmp_path):
         assert all(len(r[f"sample{k}"]) == task.response_length for k in range(4))
 
 
-def test_reference_reward_stats_stay_on_the_models_device(monkeypatch):
+def test_reference_reward_stats_stay_on_the_models_device_and_count_their_batches(monkeypatch, capsys):
     """On a GPU the rewards, and so the sums reduced across processes, are on the GPU: the sample count must
-    be too (`torch.stack` refuses a CPU tensor among CUDA ones). The `meta` device stands in for CUDA here."""
+    be too (`torch.stack` refuses a CPU tensor among CUDA ones). The `meta` device stands in for CUDA here. Its
+    batches are counted in a log file (minutes of sampling before and after training, silent until then)."""
     device = torch.device("meta")
     monkeypatch.setattr(
         train_reward,
@@ -278,13 +279,21 @@ def test_reference_reward_stats_stay_on_the_models_device(monkeypatch):
     accelerator = type(
         "Accelerator",
         (),
-        {"device": device, "num_processes": 1, "reduce": staticmethod(reduce), "autocast": contextlib.nullcontext},
+        {
+            "device": device,
+            "num_processes": 1,
+            "is_local_main_process": True,
+            "reduce": staticmethod(reduce),
+            "autocast": contextlib.nullcontext,
+        },
     )()
     reward_model = lambda ids, pad_id: torch.ones(len(ids), device=device)  # noqa: E731
     mean, std = train_reward.reference_reward_stats(
-        reward_model, None, sampler, get_preset("tiny").task, tokenizer, 4, accelerator
+        reward_model, None, sampler, get_preset("tiny").task, tokenizer, 8, accelerator, desc="normalize before"
     )
     assert reduced == [(device, "sum")] and (mean, std) == (1.0, 0.0)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("normalize before: 0/2 (0%)") and lines[-1].startswith("normalize before: 2/2 (100%)")
 
 
 @pytest.mark.parametrize("mean, std", [(0.5, 0.0), (math.nan, 1.0), (0.5, math.nan), (0.5, math.inf)])
@@ -305,7 +314,7 @@ def test_normalize_refuses_rewards_it_cannot_map_to_a_standard_normal(mean, std)
     with pytest.raises(
         RuntimeError, match=f"normalize before: the reference samples' rewards have mean {mean} and std {std}"
     ):
-        train_reward.normalize(reward_model, lambda n: (mean, std), 0, None, 0, "before", None)
+        train_reward.normalize(reward_model, lambda n, desc: (mean, std), 0, None, 0, "before", None)
     assert calls == ["reset"]
 
 

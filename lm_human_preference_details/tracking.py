@@ -23,6 +23,10 @@ from .cli import UserError
 WandbMode = Literal["auto", "online", "offline", "disabled"]
 MixedPrecision = Literal["no", "bf16", "fp16"]
 
+OWN_AXES = {"eval/": "eval/step"}
+"""metrics drawn over a step of their own (name prefix: the metric that holds it): GRPO's evaluations are logged
+when they arrive, a few steps after the step whose weights they measure"""
+
 
 @dataclass
 class RunArgs:
@@ -114,6 +118,9 @@ class Tracker:
                 id=run_id,
                 resume="allow" if resume_after_step is not None else None,
             )
+            for prefix, axis in OWN_AXES.items():
+                self.wandb.define_metric(axis)
+                self.wandb.define_metric(f"{prefix}*", step_metric=axis)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:

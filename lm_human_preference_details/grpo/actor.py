@@ -12,6 +12,11 @@ that have those weights.
 A request that fails (server gone, connection dropped, 5xx, timeout) is sent again to another
 server; a server that fails is left alone until its /health answers again.
 
+With `--eval-every N` it also evaluates: once the servers serve the weights of step 0, N, 2N, ... and the last, it
+samples the evaluation problems `--eval-samples` times each on them, beside the training requests, and writes an
+`records.Evaluation` to the evaluation stream (`GRPOArgs.eval_stream_url`), which the trainer logs. It ends once the
+last evaluation is written.
+
 Run alone:
 `python -m lm_human_preference_details.grpo.actor --task tiny --servers http://127.0.0.1:8000 --output-dir DIR`
 """
@@ -33,8 +38,15 @@ from lm_human_preference_details import cli
 from lm_human_preference_details.grpo.client import check_serving
 from lm_human_preference_details.grpo.config import PRESETS, GRPOArgs, get_preset
 from lm_human_preference_details.grpo.lifetime import exit_with_parent
-from lm_human_preference_details.grpo.records import Attempt, Group
-from lm_human_preference_details.grpo.rewards import Problem, integer_reward, load_task_problems, math_rewards
+from lm_human_preference_details.grpo.protocol import MAX_CHOICES
+from lm_human_preference_details.grpo.records import Attempt, EvaluatedProblem, Evaluation, Group
+from lm_human_preference_details.grpo.rewards import (
+    Problem,
+    eval_problems,
+    integer_reward,
+    load_task_problems,
+    math_rewards,
+)
 from lm_human_preference_details.grpo.streams import open_writer
 
 log = logging.getLogger(__name__)
@@ -60,12 +72,16 @@ class ServerState:
 
 
 class Actor:
-    def __init__(self, args: GRPOArgs, server_urls: list[str], problems: list[Problem]):
+    def __init__(
+        self, args: GRPOArgs, server_urls: list[str], problems: list[Problem], evaluated: list[Problem] | None = None
+    ):
+        """`problems`: what the groups cycle through; `evaluated`: the problems of `--eval-every`'s evaluations."""
         if not server_urls:
             raise cli.UserError("--servers: the actor needs at least one server URL")
         self.args = args
         self.servers = [ServerState(url.rstrip("/")) for url in server_urls]
         self.problems = problems
+        self.evaluated = evaluated or []
         self.schedule = args.run_schedule()
         self._changed: asyncio.Condition | None = None
         self._failure: BaseException | None = None
@@ -99,6 +115,12 @@ class Actor:
         async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
             watchers = {asyncio.create_task(self._watch_server(session, server)) for server in self.servers}
             pending: set[asyncio.Task] = set()
+            if self.args.evaluation.eval_every:
+                evaluations = asyncio.create_task(
+                    self._evaluations(session, first_group // self.args.groups_per_step())
+                )
+                evaluations.add_done_callback(self._group_done)
+                pending.add(evaluations)
             try:
                 per_request = self.args.request_problems()
                 for first in range(first_group, self.args.optim.steps * self.args.groups_per_step(), per_request):
@@ -135,16 +157,10 @@ class Actor:
 
     async def _groups(self, session, writer, problems: list[Problem]) -> None:
         """Generate, score and write one group per problem."""
-        for problem, (prompt_ids, choices) in zip(problems, await self._complete(session, problems)):
-            texts = [
-                choice["text"] if "text" in choice else choice["message"]["content"] for choice in choices
-            ]  # completions or chat
-            completions = [self.args.task.answer_prefix + t for t in texts]
-            rewards = [integer_reward(c, problem.answer, self.args.task.integer_answers) for c in completions]
-            if None in rewards:  # math_verify's timeout is a SIGALRM: it needs a main thread, hence a process
-                rewards = await asyncio.get_running_loop().run_in_executor(
-                    self._verifier, math_rewards, completions, problem.answer
-                )
+        n = self.args.sampling.group_size
+        for problem, (prompt_ids, choices) in zip(problems, await self._complete(session, problems, n)):
+            texts = [_text(choice) for choice in choices]
+            rewards = await self._rewards(texts, problem.answer)
             attempts = [
                 Attempt(
                     completion_ids=choice["token_ids"],
@@ -168,13 +184,67 @@ class Actor:
                 )
             )
 
-    async def _complete(self, session, problems: list[Problem]) -> list[tuple[list[int], list[dict]]]:
-        """`group_size` attempts at each problem: (prompt token ids, its choices) per problem. One
-        completion request for all of them (a list of prompts), or one chat request per problem."""
+    async def _rewards(self, texts: list[str], answer: str) -> list[float]:
+        """Each completion's reward (the answer prefix put back in front)."""
+        completions = [self.args.task.answer_prefix + t for t in texts]
+        rewards = [integer_reward(c, answer, self.args.task.integer_answers) for c in completions]
+        if None in rewards:  # math_verify's timeout is a SIGALRM: it needs a main thread, hence a process
+            rewards = await asyncio.get_running_loop().run_in_executor(
+                self._verifier, math_rewards, completions, answer
+            )
+        return rewards
+
+    async def _evaluations(self, session, start: int) -> None:
+        """Each evaluation the schedule has after step `start` (`Schedule.evaluations`), once the servers serve its
+        weights, written to the evaluation stream as it ends."""
+        writer = open_writer(self.args.eval_stream_url())
+        try:
+            for step in self.schedule.evaluations(self.args.evaluation.eval_every, start):
+                async with self._changed:
+                    await self._changed.wait_for(lambda: self.weight_version() >= step)  # noqa: B023 (awaited here)
+                evaluation = await self._evaluate(session, step)
+                writer.write(evaluation)
+                log.info("evaluated step %d in %.1f s", step, evaluation.seconds)
+        finally:
+            writer.close()
+
+    async def _evaluate(self, session, step: int) -> Evaluation:
+        """`eval_samples` completions of each evaluation problem, scored, in requests of at most a training
+        request's samples (one problem per request with `--chat`)."""
+        started, samples = time.monotonic(), self.args.evaluation.eval_samples
+        per_request = max(1, min(self.args.request_problems() * self.args.sampling.group_size, MAX_CHOICES) // samples)
+        requests = [self.evaluated[i : i + per_request] for i in range(0, len(self.evaluated), per_request)]
+        answered = await asyncio.gather(*(self._complete(session, problems, samples) for problems in requests))
+        problems, versions = [], []
+        for problem, (_, choices) in zip(self.evaluated, (one for request in answered for one in request)):
+            texts = [_text(choice) for choice in choices]
+            versions += [v for choice in choices for v in choice["model_versions"]]
+            problems.append(
+                EvaluatedProblem(
+                    problem_id=problem.id,
+                    prompt=problem.prompt,
+                    answer=problem.answer,
+                    completions=texts,
+                    rewards=await self._rewards(texts, problem.answer),
+                    tokens=[len(choice["token_ids"]) for choice in choices],
+                )
+            )
+        return Evaluation(
+            step=step,
+            version_min=min(versions, default=step),
+            version_max=max(versions, default=step),
+            samples=samples,
+            seconds=time.monotonic() - started,
+            problems=problems,
+        )
+
+    async def _complete(self, session, problems: list[Problem], n: int) -> list[tuple[list[int], list[dict]]]:
+        """`n` attempts at each problem: (prompt token ids, its choices) per problem. One completion request for all
+        of them (a list of prompts), or one chat request per problem."""
         sampling = {
             "max_tokens": self.args.sampling.max_tokens,
             "temperature": self.args.sampling.temperature,
-            "n": self.args.sampling.group_size,
+            "n": n,
             "ignore_eos": self.args.sampling.ignore_eos,
         }
         if self.args.task.chat:
@@ -190,7 +260,6 @@ class Actor:
             )
             return [(body["prompt_token_ids"], body["choices"]) for body in bodies]
         body = await self._request(session, "/v1/completions", {"prompt": [p.prompt for p in problems], **sampling})
-        n = self.args.sampling.group_size
         return [(ids, body["choices"][i * n : (i + 1) * n]) for i, ids in enumerate(body["prompt_token_ids"])]
 
     async def _request(self, session, endpoint: str, payload: dict) -> dict:
@@ -272,6 +341,11 @@ class Actor:
                 self._changed.notify_all()
 
 
+def _text(choice: dict) -> str:
+    """A choice's text, of a completion or a chat reply."""
+    return choice["text"] if "text" in choice else choice["message"]["content"]
+
+
 def _verifier_process(parent: int) -> None:
     """A forked verifier worker: the actor's signal handlers (its asyncio loop's) are not its own."""
     signal.set_wakeup_fd(-1)
@@ -294,13 +368,14 @@ def run(args: GRPOArgs, wait_for_servers: Callable[[], list[str]], first_group: 
     """Run the actor until its last group is written, or until SIGTERM/SIGINT (then stop cleanly).
     `wait_for_servers()` returns the servers' URLs once they serve (the problems load meanwhile)."""
     problems = load_task_problems(args)
+    evaluated = eval_problems(args) if args.evaluation.eval_every else []
     server_urls = wait_for_servers()
 
     async def main():
         task = asyncio.current_task()
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, task.cancel)
-        actor = Actor(args, server_urls, problems)
+        actor = Actor(args, server_urls, problems, evaluated)
         try:
             await actor.run(first_group)
         except asyncio.CancelledError:

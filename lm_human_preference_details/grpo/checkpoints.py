@@ -11,7 +11,7 @@ import os
 import torch
 
 from lm_human_preference_details import checkpoint, cli, sharding
-from lm_human_preference_details.grpo.config import GRPOArgs
+from lm_human_preference_details.grpo.config import EvalArgs, GRPOArgs
 from lm_human_preference_details.grpo.world import PlacementArgs
 
 MAY_CHANGE_ON_RESUME = {
@@ -35,6 +35,7 @@ MAY_CHANGE_ON_RESUME = {
     "update_bucket_mb",
     "weight_staging",
     *(setting.name for setting in dataclasses.fields(PlacementArgs)),
+    *(setting.name for setting in dataclasses.fields(EvalArgs)),  # what is measured, not what is trained
 }
 """what a resumed run may set otherwise (how long it runs, where and how its processes run); the rest must be the
 checkpoint's: the stream position counts groups of its batch size, the optimizer state is of its settings"""

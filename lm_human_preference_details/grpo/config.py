@@ -17,7 +17,9 @@ from lm_human_preference_details.grpo.protocol import (
     WeightBackend,
     WeightStaging,
 )
+from lm_human_preference_details.grpo.rewards import eval_problems
 from lm_human_preference_details.grpo.schedule import Mode, Schedule
+from lm_human_preference_details.grpo.streams import companion_url
 from lm_human_preference_details.grpo.world import PlacementArgs
 from lm_human_preference_details.tracking import RunArgs
 
@@ -301,6 +303,24 @@ class ServingArgs:
 
 
 @dataclass
+class EvalArgs:
+    """Evaluation on problems the run does not train on, by the actor on the servers while the trainer trains."""
+
+    eval_every: int = 0
+    """evaluate at step 0, every N optimizer steps and at the last (0: never); each evaluation samples with the
+    weights the servers serve once they reach that step, beside the training requests: the trainer never waits, but
+    at its end for the last one (`eval/*` in metrics.jsonl)"""
+    eval_problems: str = "held-out"
+    """`held-out`: the problems of the task's family (`--problems arith` or `tiny-sums`) that the training stream
+    never shows; or what `--problems` reads: `gsm8k`, `math500`, or a local JSON/JSONL file"""
+    eval_num_problems: int = 0
+    """evaluate on the first N of them (0: all)"""
+    eval_samples: int = 1
+    """samples per problem, at the run's temperature and token limit: the k of `eval/pass@k` (Chen et al.'s unbiased
+    estimator; `eval/pass@1` is the mean success)"""
+
+
+@dataclass
 class ProcessArgs:
     """The trainer's processes, every process's threads, and how the weights travel to the servers."""
 
@@ -368,6 +388,7 @@ class GRPOArgs(RunArgs):
     serving: tyro.conf.OmitArgPrefixes[ServingArgs] = field(default_factory=ServingArgs)
     processes: tyro.conf.OmitArgPrefixes[ProcessArgs] = field(default_factory=ProcessArgs)
     placement: tyro.conf.OmitArgPrefixes[PlacementArgs] = field(default_factory=PlacementArgs)
+    evaluation: tyro.conf.OmitArgPrefixes[EvalArgs] = field(default_factory=EvalArgs)
 
     @classmethod
     def recipe_flags(cls, name: str) -> list[str]:
@@ -379,6 +400,10 @@ class GRPOArgs(RunArgs):
 
     def stream_url(self) -> str:
         return self.stream or os.path.join(self.output_dir, "stream.jsonl")
+
+    def eval_stream_url(self) -> str:
+        """Where the actor's evaluations (`records.Evaluation`) go to the trainer: beside the samples' stream."""
+        return companion_url(self.stream_url(), "eval", os.path.join(self.output_dir, "eval.jsonl"))
 
     def flag_values(self) -> dict[str, object]:
         """Every field under its flag's name (`lr`, not `optim.lr`: the sub-configs' flags have no prefix, so their
@@ -488,22 +513,40 @@ class GRPOArgs(RunArgs):
             self.run_schedule().problems_ahead()  # a fraction of a step the problems or requests cannot split: refused
         if optim.token_budget < 1:
             raise UserError(f"--token-budget must be >= 1, got {optim.token_budget}")
+        self.check_evaluation()
+
+    def check_evaluation(self) -> None:
+        """`--eval-*`: the sizes, and (when evaluation is on) problems to evaluate on, loaded as the actor will."""
+        evaluation = self.evaluation
+        for name in ("eval_every", "eval_num_problems"):
+            if getattr(evaluation, name) < 0:
+                raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(evaluation, name)}")
+        if not 1 <= evaluation.eval_samples <= MAX_CHOICES:
+            raise UserError(
+                f"--eval-samples must be between 1 and {MAX_CHOICES} (samples per problem, the k of pass@k, sent in "
+                f"one request), got {evaluation.eval_samples}"
+            )
+        if evaluation.eval_every:
+            eval_problems(self)  # none held out, or no such file: refused before anything starts
 
 
 PRESETS: dict[str, GRPOArgs] = {
-    # learns fast on a CPU: the format-taught tiny model, sums of two digits 0-4 (25 problems)
+    # learns fast on a CPU: the format-taught tiny model, sums of two digits 0-4 (25 problems: the 20 of 0-3 + b are
+    # trained on, the 5 of 4 + b held out for --eval-every, sampled 64 times each: a pass@1 whose rise over a run
+    # stands well above its noise, benchmarks/README.md)
     # (the tiny model is cheap to run, so overheads rule: a server batch of 256 amortises each decode
     # step's; one request per optimizer step (its 8 problems, one prefill) costs the servers less HTTP and
     # prefill than several smaller ones, in both modes; and its 28 tensors go to the servers as one
     # broadcast; benchmarks/README.md has the timings)
     "tiny": GRPOArgs(
         preset="tiny",
-        task=TaskArgs(model="tiny-math", problems="tiny-sums", answer_prefix="\\boxed{"),
+        task=TaskArgs(model="tiny-math", problems="tiny-sums", answer_prefix="\\boxed{", num_problems=20),
         sampling=SamplingArgs(group_size=8, max_tokens=6),
         optim=OptimArgs(batch_size=64, steps=100, lr=5e-4),
         schedule=ScheduleArgs(steps_ahead=4),
         serving=ServingArgs(server_batch_size=256, problems_per_request=0),
         processes=ProcessArgs(update_bucket_mb=16),
+        evaluation=EvalArgs(eval_samples=64),
     ),
     # a real pretrained LM (SmolLM2-135M-Instruct, offline) completing `4+5=\boxed{`: rarely right at
     # the start; sized for a GPU (on a few CPU cores a step takes seconds)

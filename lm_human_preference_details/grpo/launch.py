@@ -22,10 +22,10 @@ The trainer and the actor start with the servers and receive the servers' URLs o
 `--engine` picks the servers: grpo/serving/server.py (`home`) or grpo/serving/vllm_server.py (`vllm`, in the vLLM
 environment); `auto` takes vLLM where its environment exists and a GPU is visible.
 
-Files in `--output-dir`: metrics.jsonl (one line per optimizer step), samples.jsonl, stream.jsonl
-(the samples the actor wrote), world.json (the map, the servers' URLs), servers.json (each server's /metrics and
-engine at the end), logs/ (vLLM's caches and sockets too, in logs/vllm-server-N/). The last line printed sums the
-run up (`run_summary`).
+Files in `--output-dir`: metrics.jsonl (one line per optimizer step, and one per evaluation with `--eval-every`),
+samples.jsonl, stream.jsonl (the samples the actor wrote), eval.jsonl (its evaluations, completions too),
+world.json (the map, the servers' URLs), servers.json (each server's /metrics and engine at the end), logs/ (vLLM's
+caches and sockets too, in logs/vllm-server-N/). The last line printed sums the run up (`run_summary`).
 """
 
 import contextlib
@@ -461,6 +461,7 @@ def start_of_run(args: GRPOArgs, plan: nodes.NodePlan, engine, meeting) -> rende
     dropped = streams.truncate(args.stream_url(), state["stream_position"])
     if dropped:
         log.info("starting at step %d: %d groups of the stream dropped", version, dropped)
+    streams.truncate(args.eval_stream_url(), 0)  # a run's trainer logs its own actor's evaluations, from the first
     start = rendezvous.RunStart(
         version=version,
         model=model,  # each node resolves it for its engine (a preset's folder is in that node's cache)
@@ -478,7 +479,7 @@ def start_of_run(args: GRPOArgs, plan: nodes.NodePlan, engine, meeting) -> rende
 def run_summary(output_dir: str, plan: nodes.NodePlan, servers: int) -> str:
     """The run in one line, the launcher's last: how the mean reward moved (the first fifth of the steps against the
     last), the mean lag, and where the run ran."""
-    rows = tracking.read_metrics(os.path.join(output_dir, "metrics.jsonl"))
+    rows = [row for row in tracking.read_metrics(os.path.join(output_dir, "metrics.jsonl")) if "reward/mean" in row]
     fifth = max(1, len(rows) // 5)
 
     def mean(key: str, part: list[dict]) -> float:

@@ -20,7 +20,6 @@ It prints the servers' engine and the trainer's precision it takes, and why (`en
 import json
 import logging
 import os
-import random
 import sys
 
 import torch
@@ -28,12 +27,7 @@ import torch
 from lm_human_preference_details import cli, precision
 from lm_human_preference_details.grpo import launch
 from lm_human_preference_details.grpo.config import PRESETS, GRPOArgs, get_preset
-from lm_human_preference_details.grpo.rewards import (
-    Problem,
-    load_task_problems,
-    math_reward,
-    problem_family,
-)
+from lm_human_preference_details.grpo.rewards import Problem, held_out_problems, math_reward
 from lm_human_preference_details.progress import progress_bar
 from lm_human_preference_details.tracking import plot_curves, read_metrics, refuse_to_overwrite
 
@@ -67,20 +61,6 @@ def check(args: GRPOArgs) -> None:
         raise cli.UserError("--save-interval 0: the held-out answers after training come from the last checkpoint")
     if args.sampling.ignore_eos:
         raise cli.UserError("--ignore-eos: the held-out answers stop at EOS, as training's must to compare them")
-
-
-def held_out_problems(args: GRPOArgs) -> list[Problem]:
-    """Up to HELD_OUT problems of the task's family that the training stream never shows, in a seeded order."""
-    family = problem_family(args)
-    seen = {p.prompt for p in load_task_problems(args)}
-    unseen = [p for p in family if p.prompt not in seen]
-    if not unseen:
-        raise cli.UserError(
-            f"--num-problems {args.task.num_problems}: the training stream shows all {len(family)} problems of "
-            f"--problems {args.task.problems}, none is left to hold out; pass a --num-problems below {len(family)}"
-        )
-    random.Random(args.seed + 1).shuffle(unseen)
-    return unseen[:HELD_OUT]
 
 
 def answers(model_path: str, args: GRPOArgs, problems: list[Problem], seed: int) -> list[str]:
@@ -155,7 +135,7 @@ def main() -> None:
     args = cli.parse(GRPOArgs, get_preset, PRESET, argv=argv, description=__doc__.split("\n\n")[0], presets=PRESETS)
     check(args)
     refuse_to_overwrite(args.output_dir, resumable=False)
-    problems = held_out_problems(args)
+    problems = held_out_problems(args)[:HELD_OUT]
     print(f"servers: {engine_choice(args)}")
     if cli.flag_given(argv, "--mixed-precision"):
         print(f"trainer: {args.mixed_precision}, as --mixed-precision says")

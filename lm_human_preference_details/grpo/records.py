@@ -1,18 +1,18 @@
-"""The sample stream's records: what the actor writes for each finished group and the trainer reads.
+"""The typed records that travel between the GRPO processes, each with a schema version.
 
-A `Group` is one problem's prompt and its `group_size` attempts, written as one JSON object (`streams` carries it:
-a JSON line, or a Redis entry). Its keys are the dataclasses' field names, plus `schema`, the layout's version: a
-reader of another version refuses the record (`from_json`), and a reader from before the field existed ignores it.
-Schema 1 is the layout the actor wrote before `schema` was added, so a record without it is read as 1.
+A `Group` is one problem's prompt and its `group_size` attempts, what the actor writes for each finished group and
+the trainer reads; an `Evaluation` is what the actor measured on the held-out problems at one step (`--eval-every`),
+which the trainer logs. Each is written as one JSON object (`streams` carries it: a JSON line, or a Redis entry).
+Its keys are the dataclasses' field names, plus `schema`, the layout's version: a reader of another version refuses
+the record (`from_json`), and a reader from before the field existed ignores it. Schema 1 of `Group` is the layout
+the actor wrote before `schema` was added, so a record without it is read as 1.
 """
 
 import functools
 import json
 import types
 from dataclasses import MISSING, asdict, dataclass, fields, is_dataclass
-from typing import Any, get_args, get_origin, get_type_hints
-
-SCHEMA = 1
+from typing import Any, ClassVar, get_args, get_origin, get_type_hints
 
 
 class RecordError(ValueError):
@@ -31,9 +31,35 @@ class Attempt:
     reward: float
 
 
+class Record:
+    """A typed record of one JSON object, `schema` (the class's `SCHEMA`) first."""
+
+    SCHEMA: ClassVar[int] = 1
+
+    def to_json(self) -> str:
+        """One line of compact JSON (token-id lists are most of a group's bytes), `schema` first."""
+        return json.dumps({"schema": self.SCHEMA, **asdict(self)}, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes):
+        """The record on one line; a RecordError naming the field when it is not JSON, of another schema, or has a
+        field missing or of the wrong type (fields it does not know are ignored)."""
+        try:
+            data = json.loads(text)
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise RecordError(f"not JSON ({error})") from None
+        schema = data.get("schema", 1) if isinstance(data, dict) else cls.SCHEMA
+        if schema != cls.SCHEMA:
+            raise RecordError(
+                f"schema is {schema!r}, this reader takes {cls.__name__} schema {cls.SCHEMA}: the actor that wrote it "
+                "is another version"
+            )
+        return _decode(cls, data, "")
+
+
 @dataclass(kw_only=True)
-class Group:
-    """A problem's prompt and its attempts: one record of the stream."""
+class Group(Record):
+    """A problem's prompt and its attempts: one record of the sample stream."""
 
     problem_id: str
     answer: str | None = None  # the ground truth the rewards were checked against (the trainer does not read it)
@@ -41,24 +67,31 @@ class Group:
     temperature: float | None = None  # of the logprobs; None in streams written before it was recorded
     attempts: list[Attempt]
 
-    def to_json(self) -> str:
-        """One line of compact JSON (token-id lists are most of the bytes), `schema` first."""
-        return json.dumps({"schema": SCHEMA, **asdict(self)}, separators=(",", ":"))
 
-    @classmethod
-    def from_json(cls, text: str | bytes) -> "Group":
-        """The record on one line; a RecordError naming the field when it is not JSON, of another schema, or has a
-        field missing or of the wrong type (fields it does not know are ignored)."""
-        try:
-            data = json.loads(text)
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise RecordError(f"not JSON ({error})") from None
-        schema = data.get("schema", 1) if isinstance(data, dict) else SCHEMA
-        if schema != SCHEMA:
-            raise RecordError(
-                f"schema is {schema!r}, this trainer reads schema {SCHEMA}: the actor that wrote it is another version"
-            )
-        return _decode(cls, data, "")
+@dataclass(kw_only=True)
+class EvaluatedProblem:
+    """One held-out problem's samples at an evaluation, and their rewards."""
+
+    problem_id: str
+    prompt: str
+    answer: str
+    completions: list[str]
+    rewards: list[float]
+    tokens: list[int]  # each completion's length in tokens
+
+
+@dataclass(kw_only=True)
+class Evaluation(Record):
+    """The held-out problems sampled `samples` times each, once the servers served weights `step`: one record of the
+    evaluation stream (`GRPOArgs.eval_stream_url`). The servers take new weights while it runs, so its tokens come
+    from versions `version_min` .. `version_max`."""
+
+    step: int
+    version_min: int
+    version_max: int
+    samples: int  # per problem: the k of pass@k
+    seconds: float  # from its first request to its last answer
+    problems: list[EvaluatedProblem]
 
 
 def _decode(cls: type, data: Any, path: str) -> Any:

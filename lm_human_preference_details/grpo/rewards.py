@@ -9,6 +9,7 @@ data, on the hub or in local JSON / JSON-lines files.
 import functools
 import itertools
 import json
+import math
 import operator
 import os
 import random
@@ -17,8 +18,6 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
-
-import math_verify
 
 from lm_human_preference_details.assets import tiny_math_prompt
 from lm_human_preference_details.cli import UserError
@@ -36,6 +35,8 @@ HUB_DATASETS = {"gsm8k": ("openai/gsm8k", "main"), "math500": ("HuggingFaceH4/MA
 ORZ_DATA_URL = "https://github.com/Open-Reasoner-Zero/Open-Reasoner-Zero/tree/main/data"
 ORZ_ITEM = '[{"from": "human", "value": QUESTION}, {"from": "assistant", "ground_truth": {"value": ANSWER}}]'
 FORMATS = "GSM8K, MATH-500, Open-Reasoner-Zero or prompt/answer records"
+HELD_OUT = "held-out"
+"""`--eval-problems`' name for the task's problems that the training stream never shows (`held_out_problems`)"""
 
 _BOX_START = re.compile(r"\\(?:boxed|fbox)\{")
 _OPERATORS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
@@ -98,6 +99,8 @@ def math_reward(completion: str, answer: str, only_integers: bool = False) -> fl
 def _verify_boxed(boxed: str, answer: str, timeout: float | None) -> float:
     """math_verify's judgement of a box against the answer, remembered: a policy repeats its answers
     (a run sends the same few boxes over and over) and each judgement costs a sympy parse and comparison."""
+    import math_verify  # sympy's seconds of import only where a box needs it: the launcher checks problems without
+
     try:
         gold = math_verify.parse(f"\\boxed{{{answer}}}", parsing_timeout=timeout)
         pred = math_verify.parse(f"\\boxed{{{boxed}}}", parsing_timeout=timeout)
@@ -131,6 +134,15 @@ def _canonical_integer(text: str) -> str:
     text = text.strip()
     digits = text.lstrip("+-").lstrip("0") or "0"
     return "-" + digits if text.startswith("-") and digits != "0" else digits
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """pass@k estimated without bias from `n` samples of which `c` are right (Chen et al. 2021, arXiv 2107.03374,
+    eq. 1): 1 - C(n-c, k) / C(n, k), the chance that k samples drawn from the n without replacement hold a right
+    one; equivalent to counting the k-subsets of the n that hold one."""
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 # ----------------------------------------------------------------------------- problems
@@ -212,9 +224,42 @@ def problem_family(args: "GRPOArgs") -> list[Problem]:
             for b in range(low, high + 1)
         ]
     raise UserError(
-        f"--problems {task.problems}: a fixed set, with no problems beyond the run's to hold out; the quickstart takes "
-        "--problems arith or tiny-sums (train on a fixed set with grpo.launch)"
+        f"--problems {task.problems}: a fixed set, with no problems beyond the run's to hold out for "
+        f"--eval-problems {HELD_OUT}; use --problems arith or tiny-sums, or pass --eval-problems FILE"
     )
+
+
+def held_out_problems(args: "GRPOArgs") -> list[Problem]:
+    """The problems of the task's family that the training stream never shows (`problem_family` less
+    `load_task_problems`), in a seeded order; a UserError when none is left."""
+    family = problem_family(args)
+    seen = {p.prompt for p in load_task_problems(args)}
+    unseen = [p for p in family if p.prompt not in seen]
+    if not unseen:
+        raise UserError(
+            f"--num-problems {args.task.num_problems}: the training stream shows all {len(family)} problems of "
+            f"--problems {args.task.problems}, none is left to hold out; pass a --num-problems below {len(family)}"
+        )
+    random.Random(args.seed + 1).shuffle(unseen)
+    return unseen
+
+
+def eval_problems(args: "GRPOArgs") -> list[Problem]:
+    """The problems `--eval-every` evaluates on: `--eval-problems held-out` (`held_out_problems`), or a file or hub
+    set read as `--problems` is; the first `--eval-num-problems` of them (0: all)."""
+    source, limit = args.evaluation.eval_problems, args.evaluation.eval_num_problems or None
+    if source == HELD_OUT:
+        problems = held_out_problems(args)
+    elif os.path.isfile(source) or source in HUB_DATASETS:
+        problems = load_problems(source)
+    else:
+        raise UserError(
+            f"--eval-problems {source}: no such file; pass `{HELD_OUT}` (the task's problems the training stream "
+            f"never shows), {' or '.join(HUB_DATASETS)}, or a .json/.jsonl file of {FORMATS}"
+        )
+    if not problems:
+        raise UserError(f"--eval-problems {source}: no problems")
+    return problems[:limit]
 
 
 def load_problems(source: str, split: str = "test", limit: int | None = None) -> list[Problem]:

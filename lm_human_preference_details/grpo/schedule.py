@@ -32,6 +32,13 @@ class Schedule:
         and after the last step."""
         return interval > 0 and (version % interval == 0 or version == self.steps)
 
+    def evaluations(self, interval: int, start: int) -> list[int]:
+        """The steps whose weights are evaluated every `interval` steps (0: none): step 0, its multiples and the last
+        (`due`), those after `start` in a run resumed there (one before it was logged then, or lost with its run)."""
+        return [
+            step for step in range(start, self.steps + 1) if self.due(interval, step) and (step > start or start == 0)
+        ]
+
     def push_interval(self) -> int:
         """Optimizer steps between two weight pushes to the servers: every step in `pipeline`, every round in `sync`."""
         return 1 if self.mode == "pipeline" else self.sync_steps

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 from lm_human_preference_details.cli import UserError
 
@@ -116,6 +116,17 @@ def parse_stream_url(url: str) -> FileStreamUrl | RedisStreamUrl:
     except ValueError as e:
         raise UserError(f"bad stream URL {url!r} ({e}); expected {URL_FORMS}") from e
     raise UserError(f"bad stream URL {url!r}; expected {URL_FORMS}")
+
+
+def companion_url(url: str, name: str, path: str) -> str:
+    """The URL of a second stream beside the one at `url`: a Redis stream `<stream>-<name>` on the same server (all
+    of it kept: maxlen is the samples'), or the file `path` when `url` is a file."""
+    match parse_stream_url(url):
+        case FileStreamUrl():
+            return path
+        case RedisStreamUrl(url=given, stream=stream):
+            parts = urlsplit(given)
+            return urlunsplit(parts._replace(query=urlencode({"stream": f"{stream}-{name}"})))
 
 
 def open_writer(url: str) -> StreamWriter:

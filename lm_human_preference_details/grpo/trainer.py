@@ -15,12 +15,13 @@ then pushes the new weights into the inference servers.
         clip the gradient norm, optimizer step, version += 1
         pipeline: push the weights to every server now (sent while the next step runs); sync: every
         `sync_steps` steps
-        log reward, success rate, lag (trainer version - token version), throughput, entropy, ESS
+        log reward, success rate, lag (trainer version - token version), throughput, entropy, ESS, and the actor's
+        evaluations that arrived (`--eval-every`; the last one is waited for after the last step)
         every `save_interval` steps: checkpoint (model folder, optimizer, version, stream position)
         on SIGTERM or SIGUSR1 (the launcher forwards its own): a checkpoint after the step in flight, then stop
 
 `train` is that loop; `GroupReader`, `optimizer_step` (`accumulate_gradients`), `ServerUpdates`, `step_metrics` /
-`log_step` and `checkpoints.save_checkpoint` are its lines, `load_learner` what it starts from.
+`log_step`, `EvaluationLog` and `checkpoints.save_checkpoint` are its lines, `load_learner` what it starts from.
 
 `--trainer-processes N` (N > 1): N processes run that loop, with the policy, its gradients and optimizer state and
 the reference sharded over them by FSDP2 (`sharding`). Each reads every group of a step from the stream and runs
@@ -63,7 +64,8 @@ from lm_human_preference_details.grpo.loss import (
     policy_weights,
     token_weights,
 )
-from lm_human_preference_details.grpo.records import Attempt, Group
+from lm_human_preference_details.grpo.records import Attempt, Evaluation, Group
+from lm_human_preference_details.grpo.rewards import pass_at_k
 from lm_human_preference_details.grpo.streams import open_reader
 from lm_human_preference_details.grpo.weights import WeightSender, buckets, served_dtype, tensor_specs
 from lm_human_preference_details.models import load_causal_lm, temperature_log_softmax
@@ -451,10 +453,13 @@ def train_until_stopped(
             raise SignalledWhileWaiting
 
     stream = GroupReader(args, start=learner.stream_position, while_waiting=while_waiting)
+    evaluations = EvaluationLog(args, tracker, start=version) if main and args.evaluation.eval_every else None
 
     def stopped_after(step: int, signal_name: str) -> preemption.Preempted:
-        """The stop after `step`, checkpointed: the stream and the tracker closed."""
+        """The stop after `step`, checkpointed: the streams and the tracker closed."""
         stream.close()
+        if evaluations is not None:
+            evaluations.close()
         tracker.finish()
         return preemption.stopped(step, args.optim.steps, "step", signal_name)
 
@@ -481,6 +486,8 @@ def train_until_stopped(
         if main:
             metrics = step_metrics(samples, rewards, version, grad_norm, times, servers.last_broadcast_s)
             log_step(tracker, args, version, groups, {**metrics, **stats})
+            if evaluations is not None:
+                evaluations.log_arrived(version)
         signal_name = stop.agreed(accelerator)
         if schedule.due(args.save_interval, version) or signal_name:
             checkpoints.save_checkpoint(
@@ -490,6 +497,9 @@ def train_until_stopped(
             raise stopped_after(version, signal_name)
     servers.wait()
     stream.close()
+    if evaluations is not None:
+        evaluations.wait_for_last(version, servers.check, stop)
+        evaluations.close()
     tracker.finish()
 
 
@@ -627,6 +637,59 @@ class GroupReader:
 
     def close(self) -> None:
         self.reader.close()
+
+
+class EvaluationLog:
+    """The actor's evaluations (`records.Evaluation`, from `GRPOArgs.eval_stream_url`) into the run's logs as they
+    arrive, each as a line of its own logged at the trainer's step then (`evaluation_metrics`: `eval/step` says
+    which weights; wandb and the plots draw `eval/*` over it: `tracking.OWN_AXES`)."""
+
+    def __init__(self, args: GRPOArgs, tracker: Tracker, start: int):
+        """`start`: the step the run starts from; the evaluation stream holds only this run's evaluations (the
+        launcher empties it)."""
+        self.tracker = tracker
+        self.reader = open_reader(args.eval_stream_url(), Evaluation.from_json)
+        due = args.run_schedule().evaluations(args.evaluation.eval_every, start)
+        self.last = due[-1] if due else -1  # a run resumed at its last step has none left
+        self.logged = -1  # the step of the last evaluation logged
+
+    def log_arrived(self, version: int, timeout_s: float = 0.0) -> None:
+        """Log the evaluations that arrived (waiting up to `timeout_s` for one) at step `version`."""
+        for evaluation in self.reader.read(16, timeout_s):
+            metrics = evaluation_metrics(evaluation)
+            self.tracker.log(version, metrics)
+            self.logged = evaluation.step
+            log.info("evaluation of step %d: pass@1 %.3f", evaluation.step, metrics["eval/pass@1"])
+
+    def wait_for_last(self, version: int, check: Callable[[], None], stop: preemption.StopSignals) -> None:
+        """After the last step: log evaluations until the last step's has come (`check()` raises when no server is
+        left to run it; a signal to stop ends the wait, with what came logged)."""
+        while self.logged < self.last and not stop.received:
+            check()
+            self.log_arrived(version, timeout_s=1.0)
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+def evaluation_metrics(evaluation: Evaluation) -> dict[str, float]:
+    """An evaluation's line in the logs: the step whose weights it began with, pass@1 and pass@k (k =
+    `eval/samples`) by the unbiased estimator, averaged over the problems, the mean completion length, the weight
+    versions that sampled its tokens and how long it took."""
+    k = evaluation.samples
+    problems = evaluation.problems
+    right = [sum(reward == 1 for reward in problem.rewards) for problem in problems]
+    tokens = [t for problem in problems for t in problem.tokens]
+    return {
+        "eval/step": evaluation.step,
+        "eval/pass@1": sum(pass_at_k(k, c, 1) for c in right) / len(problems),
+        "eval/pass@k": sum(pass_at_k(k, c, k) for c in right) / len(problems),
+        "eval/samples": k,
+        "eval/mean_tokens": sum(tokens) / len(tokens),
+        "eval/version_min": evaluation.version_min,
+        "eval/version_max": evaluation.version_max,
+        "eval/seconds": evaluation.seconds,
+    }
 
 
 class ServerUpdates:

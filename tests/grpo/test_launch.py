@@ -1,5 +1,6 @@
 """`grpo.launch` end to end, as a user runs it: real server, actor and trainer processes on this
-machine. Both schedules learn; lag follows the schedule; a killed server is survived; Ctrl-C and a
+machine. Both schedules learn, on the stream and on held-out problems; lag follows the schedule; a killed server is
+survived; Ctrl-C and a
 killed launcher leave no process behind; a killed run resumes; SIGTERM stops a run with a checkpoint."""
 
 import contextlib
@@ -136,10 +137,18 @@ def success_rise(rows: list[dict]) -> tuple[float, float]:
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["pipeline", "sync"])
 def test_both_schedules_learn_and_leave_no_process_behind(tmp_path, mode):
-    run = Launched(tmp_path / mode, "--mode", mode, "--steps", "100")
+    """They learn on the training stream and on the problems it never shows, evaluated on the servers at step 0, every
+    20 steps and at the last (`--eval-every`), each logged with the weights it measured."""
+    run = Launched(tmp_path / mode, "--mode", mode, "--steps", "100", "--eval-every", "20")
     assert run.finish() == 0, run.output()
-    rows = metrics(run.output_dir)
+    logged = metrics(run.output_dir)
+    rows = [r for r in logged if "reward/mean" in r]
     assert [r["step"] for r in rows] == list(range(1, 101))
+    evaluations = [r for r in logged if "eval/step" in r]
+    assert [r["eval/step"] for r in evaluations] == [0, 20, 40, 60, 80, 100]
+    assert all(r["step"] >= r["eval/step"] and r["eval/version_min"] >= r["eval/step"] for r in evaluations)
+    # 10 pipelined runs rose 0.11 or more, with the noise of a 320-sample pass@1 about 0.04 (benchmarks/README.md)
+    assert evaluations[-1]["eval/pass@1"] > evaluations[0]["eval/pass@1"], evaluations
     for key in (
         "reward/mean",
         "success/rate",
@@ -159,7 +168,9 @@ def test_both_schedules_learn_and_leave_no_process_behind(tmp_path, mode):
     servers = json.load(open(os.path.join(run.output_dir, "servers.json")))
     (server,) = servers.values()
     assert server["engine"] == "home"  # --engine auto on a CPU
-    assert server["requests"] == 100  # the preset's --problems-per-request 0: one request per optimizer step
+    # the preset's --problems-per-request 0: one request per optimizer step; an evaluation's 5 problems x 64 samples
+    # go in requests of at most a step's 64
+    assert server["requests"] == 100 + 6 * 5
     if mode == "sync":  # generate 4 steps' worth with frozen weights, then train 4 steps
         assert [(r["lag/min"], r["lag/max"]) for r in rows] == [((s - 1) % 4, (s - 1) % 4) for s in range(1, 101)]
         assert server["weight_updates"] == 25
@@ -389,6 +400,10 @@ def test_chat_prompts_go_one_request_per_problem_through_the_chat_template_after
         (["--threads", "-1"], "error: --threads must be >= 0, got -1"),
         (["--trainer-processes", "0"], "error: --trainer-processes must be >= 1, got 0"),
         (["--num-problems", "-3"], "error: --num-problems must be >= 0, got -3"),
+        (
+            ["--eval-every", "20", "--eval-problems", "missing.jsonl"],
+            "error: --eval-problems missing.jsonl: no such file; pass `held-out`",
+        ),
         (
             ["--loss-type", "ppo_clip", "--clip-eps-high", "0"],
             "error: --clip-eps-high must be > 0 (or None: --clip-eps), got 0.0",

@@ -1,6 +1,7 @@
 """Verifiable rewards (math_verify on the last \\boxed{}), arithmetic problems and problem loaders, all offline."""
 
 import faulthandler
+import itertools
 import json
 import re
 import threading
@@ -10,16 +11,22 @@ import pytest
 
 from lm_human_preference_details.cli import UserError
 from lm_human_preference_details.grpo import rewards
+from lm_human_preference_details.grpo.config import get_preset
 from lm_human_preference_details.grpo.rewards import (
     BOXED_INSTRUCTION,
     Problem,
     arithmetic_problems,
+    eval_problems,
+    held_out_problems,
     last_boxed,
     load_problems,
     load_task_problems,
     math_reward,
+    pass_at_k,
+    problem_family,
     tiny_sums,
 )
+from tests.grpo.args import grpo_args
 
 
 # ----------------------------------------------------------------------------- last_boxed
@@ -300,10 +307,7 @@ def test_hub_failures_are_user_errors(monkeypatch):
 
 
 def test_a_runs_problems_follow_its_settings_in_an_order_of_its_seed(tmp_path):
-    from lm_human_preference_details.grpo.config import get_preset
-    from tests.grpo.args import grpo_args
-
-    tiny = get_preset("tiny")
+    tiny = grpo_args(get_preset("tiny"), num_problems=0)  # all 25 (the preset holds 5 out)
     assert sorted(p.id for p in tiny_sums()) == sorted(f"sum-{a}-{b}" for a in range(5) for b in range(5))
     assert all(int(p.id[4]) + int(p.id[6]) == int(p.answer) for p in tiny_sums())
     problems = load_task_problems(tiny)
@@ -367,3 +371,45 @@ def test_an_integer_too_long_for_int_is_still_judged():
 
     assert math_reward("\\boxed{" + "1" * 5000 + "}", "7") == 0.0
     assert math_reward("\\boxed{" + "0" * 5000 + "7}", "7") == 1.0
+
+
+# ----------------------------------------------------------------------------- evaluation
+def test_held_out_problems_are_those_the_training_stream_never_shows():
+    tiny = get_preset("tiny")  # 20 of the 25 sums in the stream
+    held_out = held_out_problems(tiny)
+    assert len(held_out) == 5 and not {p.prompt for p in load_task_problems(tiny)} & {p.prompt for p in held_out}
+    assert eval_problems(grpo_args(tiny, eval_every=20)) == held_out
+    with pytest.raises(UserError, match="--num-problems 0: the training stream shows all 25 problems.*below 25"):
+        grpo_args(tiny, num_problems=0, eval_every=20).check()
+
+
+def test_the_arith_family_is_every_expression_of_its_digits():
+    args = get_preset("arith-chat")
+    family = problem_family(args)
+    assert len(family) == 3 * 10 * 10 and len({p.prompt for p in family}) == 300
+    assert {p.answer for p in family if p.id == "arith-7*8"} == {"56"}
+    held_out = held_out_problems(args)
+    assert len(held_out) >= 100 and not {p.prompt for p in load_task_problems(args)} & {p.prompt for p in held_out}
+
+
+def test_eval_problems_are_read_from_a_file_as_problems_are(tmp_path):
+    path = write_jsonl(tmp_path / "eval.jsonl", [{"prompt": f"{i}+0=", "answer": str(i)} for i in range(4)])
+    args = grpo_args(get_preset("tiny"), eval_every=20, eval_problems=path, eval_num_problems=3)
+    assert [p.answer for p in eval_problems(args)] == ["0", "1", "2"]
+    missing = str(tmp_path / "missing.jsonl")
+    with pytest.raises(UserError, match=f"--eval-problems {re.escape(missing)}: no such file; pass `held-out`"):
+        grpo_args(args, eval_problems=missing).check()
+    with pytest.raises(UserError, match="--eval-samples must be between 1 and 512 .* got 0"):
+        grpo_args(args, eval_samples=0).check()
+
+
+def test_pass_at_k_is_the_share_of_k_samples_drawn_from_the_n_that_hold_a_right_one():
+    """Chen et al.'s estimator against a direct count over every k-subset of known samples."""
+    samples = [0.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0]  # n = 7, c = 2
+    for k in range(1, len(samples) + 1):
+        subsets = list(itertools.combinations(samples, k))
+        direct = sum(1.0 in subset for subset in subsets) / len(subsets)
+        assert pass_at_k(len(samples), 2, k) == pytest.approx(direct, abs=1e-12), k
+    assert pass_at_k(7, 2, 1) == pytest.approx(2 / 7) and pass_at_k(7, 0, 3) == 0.0 and pass_at_k(7, 7, 1) == 1.0
+    with pytest.raises(ValueError, match="k <= n"):
+        pass_at_k(3, 1, 4)

@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 
 from lm_human_preference_details.cli import UserError
-from lm_human_preference_details.grpo.records import Attempt, Group
+from lm_human_preference_details.grpo.records import Attempt, EvaluatedProblem, Evaluation, Group, RecordError
 from lm_human_preference_details.grpo.streams import (
     FileStreamUrl,
     RedisStreamUrl,
     StreamConnectionError,
+    companion_url,
     open_reader,
     open_writer,
     parse_stream_url,
@@ -80,6 +81,12 @@ def test_url_forms():
     assert parse_stream_url("redis://h:7000/3?stream=s&maxlen=100") == RedisStreamUrl(
         "redis://h:7000/3?stream=s&maxlen=100", "h", 7000, 3, "s", 100
     )
+
+
+def test_a_companion_stream_is_a_file_beside_a_file_or_a_stream_of_its_own_on_the_same_redis():
+    assert companion_url("runs/a/stream.jsonl", "eval", "runs/a/eval.jsonl") == "runs/a/eval.jsonl"
+    url = companion_url("redis://h:7000/3?stream=s&maxlen=100", "eval", "unused")
+    assert parse_stream_url(url) == RedisStreamUrl(url, "h", 7000, 3, "s-eval", None)
 
 
 @pytest.mark.parametrize(
@@ -291,7 +298,7 @@ def without_reward(line: dict) -> dict:
     "damage, message",
     [
         (lambda line: json.dumps(line)[:40], "not JSON (Unterminated string"),
-        (lambda line: json.dumps(line | {"schema": 2}), "schema is 2, this trainer reads schema 1"),
+        (lambda line: json.dumps(line | {"schema": 2}), "schema is 2, this reader takes Group schema 1"),
         (lambda line: json.dumps(without_reward(line)), "attempts[1].reward is missing"),
         (lambda line: json.dumps(line | {"prompt_ids": [1, "2"]}), "prompt_ids[1] is a string, not an integer"),
         (lambda line: json.dumps(line | {"attempts": {}}), "attempts is an object, not a list"),
@@ -307,3 +314,25 @@ def test_a_line_of_another_schema_or_malformed_stops_the_reader_naming_the_field
     assert str(refused.value).startswith(f"the stream's {where}: {message}"), refused.value
     assert "\n" not in str(refused.value)
     reader.close()
+
+
+def test_an_evaluation_goes_through_the_stream_as_it_was_and_another_schema_is_refused(url):
+    problem = EvaluatedProblem(
+        problem_id="sum-4-2",
+        prompt="4+2=\\boxed{",
+        answer="6",
+        completions=["6}", "7}"],
+        rewards=[1.0, 0.0],
+        tokens=[2, 2],
+    )
+    sent = Evaluation(step=20, version_min=20, version_max=21, samples=2, seconds=0.25, problems=[problem])
+    write_all(url, [sent])
+    reader = open_reader(url, Evaluation.from_json)
+    assert reader.read(2, timeout_s=5) == [sent]
+    reader.close()
+    with pytest.raises(RecordError, match="schema is 2, this reader takes Evaluation schema 1"):
+        Evaluation.from_json(json.dumps(json.loads(sent.to_json()) | {"schema": 2}))
+    with pytest.raises(RecordError, match=r"problems\[0\]\.rewards is missing"):
+        line = json.loads(sent.to_json())
+        del line["problems"][0]["rewards"]
+        Evaluation.from_json(json.dumps(line))

@@ -32,7 +32,7 @@ DEFAULT_METRICS = (
     "ppo/policy/clipfrac",
     "ppo/policy/approxkl",
 )
-GRPO_METRICS = ("reward/mean", "success/rate", "lag/mean", "entropy", "ess", "samples_per_s")
+GRPO_METRICS = ("reward/mean", "success/rate", "eval/pass@1", "lag/mean", "entropy", "ess", "samples_per_s")
 
 
 @dataclass
@@ -79,10 +79,10 @@ def run_seed(args: Args, seed: int, stage_flags: list[str]) -> str:
 
 
 def long_rows(metrics_path: str, seed: int, names: list[str], source: str) -> list[dict]:
-    from lm_human_preference_details.tracking import read_metrics
+    from lm_human_preference_details.tracking import metric_step, read_metrics
 
     return [
-        {"step": r["step"], "metric": name, "value": r[name], "seed": seed, "source": source}
+        {"step": metric_step(r, name), "metric": name, "value": r[name], "seed": seed, "source": source}
         for r in read_metrics(metrics_path)
         for name in names
         if name in r

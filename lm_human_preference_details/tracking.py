@@ -228,16 +228,20 @@ def read_metrics(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.endswith("\n") and line.strip()]
 
 
+def metric_step(record: dict, name: str) -> int:
+    """The step metric `name` of a logged line is drawn at: the line's, or its own (`OWN_AXES`; logged as a float)."""
+    axis = next((axis for prefix, axis in OWN_AXES.items() if name.startswith(prefix)), "step")
+    return int(record[axis])
+
+
 def plot_curves(
     metrics_path: str,
     panels: dict[str, list[str]],
     png_path: str,
     title: str,
-    points: dict[str, dict[str, list[tuple[float, float]]]] | None = None,
 ) -> None:
-    """One panel per entry of `panels` (panel title -> metric names), x axis = step; saved as a PNG. `points`:
-    points measured outside metrics.jsonl (panel title -> label -> (step, value) points), drawn as
-    large markers."""
+    """One panel per entry of `panels` (panel title -> metric names), x axis = step (`metric_step`: the evaluations'
+    own, drawn as large markers); saved as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -247,11 +251,10 @@ def plot_curves(
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False, layout="constrained")
     for ax, (panel, names) in zip(axes[0], panels.items()):
         for name in names:
-            series = [(r["step"], r[name]) for r in records if name in r]
+            series = [(metric_step(r, name), r[name]) for r in records if name in r]
             if series:
-                ax.plot(*zip(*series), marker=".", label=name)
-        for label, extra in (points or {}).get(panel, {}).items():
-            ax.plot(*zip(*extra), marker="o", markersize=9, linestyle="none", label=label)
+                own_axis = any(name.startswith(prefix) for prefix in OWN_AXES)
+                ax.plot(*zip(*series), marker="o" if own_axis else ".", label=name)
         ax.set_title(panel)
         ax.set_xlabel("update")
         ax.grid(alpha=0.3)

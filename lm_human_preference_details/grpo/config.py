@@ -568,7 +568,8 @@ PRESETS: dict[str, GRPOArgs] = {
     # one-digit + - * answers in \boxed{}, after one worked exchange that shows the format on a question outside the
     # task (France's capital); it starts out mostly failing (it often answers in prose, or boxes a wrong number) and
     # GRPO teaches it the format and the arithmetic; only plain boxed integers score (integer_answers); 60 steps draw
-    # 240 of the 300 problems (with repeats), the ones never drawn are for held-out checks (what it does: README.md)
+    # 240 of the 300 problems (with repeats); 100 of those never drawn are evaluated at steps 0, 20, 40 and 60, one
+    # sample each (what it does: README.md)
     "arith-chat": GRPOArgs(
         preset="arith-chat",
         task=TaskArgs(
@@ -586,6 +587,7 @@ PRESETS: dict[str, GRPOArgs] = {
         sampling=SamplingArgs(group_size=8, max_tokens=24, temperature=0.7),
         optim=OptimArgs(batch_size=32, steps=60, lr=1e-5),
         serving=ServingArgs(max_in_flight=8, server_batch_size=64),
+        evaluation=EvalArgs(eval_every=20, eval_num_problems=100),
     ),
 }
 

@@ -208,13 +208,16 @@ def test_learning_curves_of_the_grpo_stage(tmp_path):
     out = tmp_path / "grpo"
     load_script("learning_curves").main(
         ["--stage", "grpo.launch", "--task", "tiny", "--seeds", "1", "--out-dir", str(out), "--", "--steps", "3"]
+        + ["--eval-every", "2"]
     )
     with open(out / "curves.csv") as f:
         rows = list(csv.DictReader(f))
     assert {(r["metric"], r["step"]) for r in rows if r["metric"] in ("success/rate", "lag/mean")} == {
         (m, s) for m in ("success/rate", "lag/mean") for s in "123"
     }
+    assert [r["step"] for r in rows if r["metric"] == "eval/pass@1"] == ["0", "2", "3"]  # at the steps evaluated
     assert (out / "success_rate.png").read_bytes()[:4] == b"\x89PNG"
+    assert (out / "eval_pass@1.png").read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.slow

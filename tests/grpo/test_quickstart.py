@@ -1,7 +1,6 @@
-"""The reasoning quickstart's code path on the tiny preset: held-out problems answered before and after a real
-pipelined GRPO run, a PNG, the answers printed."""
+"""The reasoning quickstart's code path on the tiny preset: a real pipelined GRPO run that evaluates held-out problems
+as it trains, a PNG, the answers at the first and last evaluation printed."""
 
-import io
 import json
 import re
 import subprocess
@@ -12,31 +11,7 @@ import pytest
 from lm_human_preference_details.cli import UserError
 from lm_human_preference_details.grpo import quickstart
 from lm_human_preference_details.grpo.config import get_preset
-from lm_human_preference_details.grpo.rewards import Problem, held_out_problems, problem_family
-
-
-def test_held_out_answering_logs_its_progress_where_stderr_is_not_a_terminal(monkeypatch):
-    """Answering 100 problems takes minutes before and after training: a log file gets lines saying how far it is
-    (answered here by the untrained `tiny` model, built in a second where `tiny-math` trains for minutes)."""
-    stderr = io.StringIO()
-    monkeypatch.setattr(sys, "stderr", stderr)
-    args = get_preset("tiny")
-    problems = held_out_problems(args)[:2]
-    assert len(quickstart.answers("tiny", args, problems, seed=0)) == 2  # a model built in a second
-    lines = [line for line in stderr.getvalue().splitlines() if line.startswith("held-out answers")]
-    assert lines[0] == "held-out answers: 0/2 (0%), ?problem/s, 00:00 elapsed, ? left", lines
-    assert lines[-1].startswith("held-out answers: 2/2 (100%), "), lines
-
-
-def test_integer_answers_score_a_boxed_expression_zero():
-    """math_verify evaluates `\\boxed{6-1}` to 5: a policy learns to box the question. With integer answers only a
-    boxed integer counts."""
-    problem = [Problem(prompt="What is 6-1?", answer="5", id="arith-6-1")]
-    args = get_preset("arith-chat")
-    assert quickstart.success(args, problem, ["6-1 is \\boxed{6-1}"]) == [0.0]
-    assert quickstart.success(args, problem, ["6 - 1 = \\boxed{5}"]) == [1.0]
-    args.task.integer_answers = False
-    assert quickstart.success(args, problem, ["6-1 is \\boxed{6-1}"]) == [1.0]
+from lm_human_preference_details.grpo.rewards import problem_family
 
 
 def test_the_quickstart_says_which_engine_serves_and_why(monkeypatch):
@@ -74,12 +49,11 @@ def test_the_worked_example_comes_before_the_problem_in_the_chat():
     "flags, message",
     [
         (["--resume"], "--resume: the quickstart starts over"),
-        (["--save-interval", "0"], "--save-interval 0: the held-out answers after training come from the last"),
-        (["--ignore-eos"], "--ignore-eos: the held-out answers stop at EOS"),
+        (["--eval-every", "0"], "--eval-every 0: the quickstart's held-out success comes from the run's evaluations"),
         (["--problems", "gsm8k"], "--problems gsm8k: a fixed set.*--problems arith or tiny-sums"),
         (["--arith-digits", "3"], "--arith-digits 3: its 2,430,000 problems are too many"),
         (
-            ["--task", "tiny", "--num-problems", "0"],
+            ["--task", "tiny", "--eval-every", "5", "--num-problems", "0"],
             "--num-problems 0: the training stream shows all 25 problems.*below 25",
         ),
         (["--batch-size", "30"], "--batch-size 30 must be a multiple of --group-size 8"),
@@ -94,17 +68,22 @@ def test_the_quickstart_refuses_what_it_cannot_do_before_any_model_loads(monkeyp
     assert re.search(message, printed.err), printed.err[-2000:]
 
 
-def test_held_out_points_are_drawn_on_their_panel(tmp_path):
+def test_evaluations_are_drawn_at_the_step_whose_weights_they_measured(tmp_path):
+    """An evaluation arrives a few steps after its step: its line is logged then, and drawn at `eval/step`."""
     from PIL import Image
 
-    from lm_human_preference_details.tracking import plot_curves
+    from lm_human_preference_details.tracking import metric_step, plot_curves
 
+    lines = [{"step": s, "success/rate": s / 10} for s in range(1, 11)]
+    lines.insert(3, {"step": 3, "eval/step": 0.0, "eval/pass@1": 0.1})
+    lines.append({"step": 10, "eval/step": 10.0, "eval/pass@1": 0.9})
     metrics = tmp_path / "metrics.jsonl"
-    metrics.write_text("".join(json.dumps({"step": s, "success/rate": s / 10}) + "\n" for s in range(1, 11)))
+    metrics.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert [metric_step(line, "eval/pass@1") for line in lines if "eval/step" in line] == [0, 10]
+    assert metric_step(lines[0], "success/rate") == 1
     plain, marked = tmp_path / "plain.png", tmp_path / "marked.png"
     plot_curves(str(metrics), {"success rate": ["success/rate"]}, str(plain), title="t")
-    points = {"success rate": {"held out": [(0, 0.0), (10, 0.9)]}}
-    plot_curves(str(metrics), {"success rate": ["success/rate"]}, str(marked), title="t", points=points)
+    plot_curves(str(metrics), {"success rate": ["success/rate", "eval/pass@1"]}, str(marked), title="t")
     assert Image.open(plain).tobytes() != Image.open(marked).tobytes()
 
 
@@ -118,8 +97,8 @@ def test_the_quickstart_runs_end_to_end_on_the_tiny_preset(tmp_path):
             "lm_human_preference_details.grpo.quickstart",
             "--task",
             "tiny",
-            "--num-problems",
-            "20",
+            "--eval-every",
+            "10",
             "--steps",
             "30",
             "--output-dir",
@@ -133,13 +112,16 @@ def test_the_quickstart_runs_end_to_end_on_the_tiny_preset(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-4000:]
     printed = result.stdout
-    assert "held-out success before training:" in printed
-    assert "=== held-out problems, before and after training ===" in printed
-    assert printed.count("  before: ") == 5 and printed.count("  after:  ") == 5
-    assert "held out: " in printed and "success on the training stream" in printed
+    assert "held out: 5 problems the training stream never shows" in printed
+    assert "=== held-out problems at step 0 and step 30 ===" in printed
+    assert printed.count("  step 0: ") == 5 and printed.count("  step 30: ") == 5
+    assert re.search(r"held-out pass@1: (\d\.\d+ -> ){3}\d\.\d+\n", printed), printed
+    assert "success on the training stream" in printed
     assert "servers: " in printed and "trainer: " in printed  # the engine and precision it chose, and why
     held_out = [json.loads(line) for line in (out / "held_out.jsonl").open()]
     assert len(held_out) == 5 and {"before", "after", "reward_before", "reward_after"} <= set(held_out[0])
     png = out / "learning_curves.png"
     assert png.stat().st_size > 10_000
-    assert len([json.loads(line) for line in (out / "metrics.jsonl").open()]) == 30
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").open()]
+    assert [r["step"] for r in rows if "reward/mean" in r] == list(range(1, 31))
+    assert [r["eval/step"] for r in rows if "eval/step" in r] == [0, 10, 20, 30]

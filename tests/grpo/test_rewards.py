@@ -383,13 +383,13 @@ def test_held_out_problems_are_those_the_training_stream_never_shows():
         grpo_args(tiny, num_problems=0, eval_every=20).check()
 
 
-def test_the_arith_family_is_every_expression_of_its_digits():
+def test_the_arith_family_is_every_expression_of_its_digits_and_the_quickstart_evaluates_100_it_never_trains_on():
     args = get_preset("arith-chat")
     family = problem_family(args)
     assert len(family) == 3 * 10 * 10 and len({p.prompt for p in family}) == 300
     assert {p.answer for p in family if p.id == "arith-7*8"} == {"56"}
-    held_out = held_out_problems(args)
-    assert len(held_out) >= 100 and not {p.prompt for p in load_task_problems(args)} & {p.prompt for p in held_out}
+    evaluated = eval_problems(args)
+    assert len(evaluated) == 100 and not {p.prompt for p in load_task_problems(args)} & {p.prompt for p in evaluated}
 
 
 def test_eval_problems_are_read_from_a_file_as_problems_are(tmp_path):

@@ -287,9 +287,11 @@ def test_the_stream_can_be_a_redis_stream_and_the_weights_go_one_broadcast_per_t
     url = with_stream(redis_url, f"grpo-{uuid.uuid4().hex}")
     # --update-bucket-mb 0: PipelineRL's one broadcast per tensor (the preset sends one bucket; grpo_speed has a row
     # for it)
-    run = Launched(tmp_path / "run", "--steps", "10", "--stream", url, "--update-bucket-mb", "0")
+    run = Launched(tmp_path / "run", "--steps", "10", "--stream", url, "--update-bucket-mb", "0", "--eval-every", "5")
     assert run.finish() == 0, run.output()
-    assert len(metrics(run.output_dir)) == 10
+    logged = metrics(run.output_dir)
+    assert len([r for r in logged if "reward/mean" in r]) == 10
+    assert [r["eval/step"] for r in logged if "eval/step" in r] == [0, 5, 10]  # evaluations beside it, on Redis too
     (server,) = json.load(open(os.path.join(run.output_dir, "servers.json"))).values()
     assert server["weight_updates"] == 10
     client = redis_client(url)
@@ -301,7 +303,8 @@ def test_the_stream_can_be_a_redis_stream_and_the_weights_go_one_broadcast_per_t
         and {"completion_ids", "logprobs", "versions", "reward"} <= record["attempts"][0].keys()
     )
     assert record["temperature"] == 1.0  # of the behaviour logprobs, checked by the trainer
-    assert not os.path.exists(tmp_path / "run" / "stream.jsonl")
+    assert len(client.xrange(url.split("stream=")[1] + "-eval")) == 3
+    assert not os.path.exists(tmp_path / "run" / "stream.jsonl") and not os.path.exists(tmp_path / "run" / "eval.jsonl")
 
 
 @pytest.mark.slow

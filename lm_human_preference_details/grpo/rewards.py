@@ -238,7 +238,8 @@ def held_out_problems(args: "GRPOArgs") -> list[Problem]:
     if not unseen:
         raise UserError(
             f"--num-problems {args.task.num_problems}: the training stream shows all {len(family)} problems of "
-            f"--problems {args.task.problems}, none is left to hold out; pass a --num-problems below {len(family)}"
+            f"--problems {args.task.problems}, none is left to hold out; pass a --num-problems below {len(family)}, "
+            "or --eval-problems FILE"
         )
     random.Random(args.seed + 1).shuffle(unseen)
     return unseen

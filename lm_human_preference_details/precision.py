@@ -45,22 +45,29 @@ def check_mixed_precision(mixed_precision: str, engine: Engine | None, device: t
         )
 
 
-def bf16_speedup(device: torch.device) -> float:
+def bf16_speedup(device: torch.device, rounds: int = 5) -> float:
     """How many times as fast a matmul of a transformer layer's size (SmolLM2-135M's width, a PPO batch of tokens)
     runs under bf16 autocast as in float32 on `device`: a CPU without native bfloat16 (AVX512-BF16, AMX) emulates
-    it, several times slower."""
+    it, several times slower. Each precision's fastest of `rounds`, taken in turn, on one thread: a matmul over
+    several threads waits for the slowest, which another process on the same cores holds back: the answer flipped
+    from one call to the next on a busy machine."""
     tokens, weight = torch.randn(1024, 576, device=device), torch.randn(1536, 576, device=device)
-
-    def seconds(context) -> float:
-        with context:
-            for _ in range(2):  # warm-up
-                tokens @ weight.T
-            start = time.perf_counter()
-            for _ in range(10):
-                tokens @ weight.T
-            return time.perf_counter() - start
-
-    return seconds(contextlib.nullcontext()) / seconds(torch.autocast(device.type, dtype=torch.bfloat16))
+    contexts = {"float32": contextlib.nullcontext, "bf16": lambda: torch.autocast(device.type, dtype=torch.bfloat16)}
+    fastest = dict.fromkeys(contexts, float("inf"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(rounds):
+            for name, context in contexts.items():
+                with context():
+                    tokens @ weight.T  # warm-up: the kernel's first call packs its operands
+                    start = time.perf_counter()
+                    for _ in range(3):
+                        tokens @ weight.T
+                    fastest[name] = min(fastest[name], time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    return fastest["float32"] / fastest["bf16"]
 
 
 def fastest_precision(device: torch.device | None = None) -> tuple[str, str]:

@@ -5,6 +5,7 @@ first minibatch's are computed the same way, so the first ratio is 1; a stage le
 bitwise: tests/stages/test_train_policy.py).
 """
 
+import os
 import subprocess
 import sys
 
@@ -94,8 +95,19 @@ def test_the_quickstart_takes_bf16_only_where_it_is_faster(monkeypatch, speedup,
     assert f"{speedup:.1f}x" in reason or f"{speedup:.2f}x" in reason
 
 
-def test_the_bf16_probe_measures_both_precisions():
-    assert 0.01 < run_precision.bf16_speedup(torch.device("cpu")) < 100
+def test_the_bf16_probe_gives_one_answer_on_a_busy_machine():
+    """Measured while two processes keep every core busy (as a shared node, or the suite's other processes), the
+    probe takes the side it takes on its own, every time."""
+    alone = run_precision.bf16_speedup(torch.device("cpu"))
+    assert 0.01 < alone < 100
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+    try:
+        beside = [run_precision.bf16_speedup(torch.device("cpu")) for _ in range(5)]
+    finally:
+        for process in busy:
+            process.kill()
+            process.wait()
+    assert all((speedup >= 1.2) == (alone >= 1.2) for speedup in beside), (alone, beside)
 
 
 @pytest.mark.slow

@@ -18,7 +18,8 @@ then pushes the new weights into the inference servers.
         log reward, success rate, lag (trainer version - token version), throughput, entropy, ESS, and the actor's
         evaluations that arrived (`--eval-every`; the last one is waited for after the last step)
         every `save_interval` steps: checkpoint (model folder, optimizer, version, stream position)
-        on SIGTERM or SIGUSR1 (the launcher forwards its own): a checkpoint after the step in flight, then stop
+        on SIGTERM or SIGUSR1 (the launcher forwards its own): a checkpoint after the step in flight (at once while
+        waiting for the stream), then stop
 
 `train` is that loop; `GroupReader`, `optimizer_step` (`accumulate_gradients`), `ServerUpdates`, `step_metrics` /
 `log_step`, `EvaluationLog` and `checkpoints.save_checkpoint` are its lines, `load_learner` what it starts from.
@@ -41,7 +42,6 @@ import collections
 import contextlib
 import logging
 import math
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -430,7 +430,8 @@ def train(args: GRPOArgs, wait_for_servers: Callable[[], list[str]]) -> None:
 def train_until_stopped(
     args: GRPOArgs, wait_for_servers: Callable[[], list[str]], stop: preemption.StopSignals
 ) -> None:
-    """`train`, asking `stop` after each step (all processes agree) whether a signal asks the run to stop."""
+    """`train`, asking `stop` after each step and while waiting for the stream (all processes agree) whether a signal
+    asks the run to stop."""
     torch.manual_seed(args.seed)
     accelerator = trainer_accelerator(args)
     torch.set_num_threads(args.torch_threads("trainer"))  # after accelerate, which sets a share of its own
@@ -443,16 +444,18 @@ def train_until_stopped(
         args, f"grpo_{args.schedule.mode}", accelerator, resume_after_step=version if args.resume else None
     )
     servers = ServerUpdates(args, server_urls, sends=main)
-    alone = accelerator is None or accelerator.num_processes == 1
 
-    def while_waiting() -> None:
-        """With no server left to update, no samples would ever come; after a signal to every process of a job (the
-        actor's too) none may come either, so one process stops there (several would have to agree: they wait)."""
+    def everyone_has(ready: bool) -> bool:
+        """Whether every process has its step's groups (`ready`: this one's), asked of all at once; a signal any of
+        them received ends the wait on all (after a signal to every process of a job, the actor's too, no more may
+        come), and so does no server left to update (no samples would ever come)."""
+        signal_name = stop.agreed(accelerator)
+        if signal_name:
+            raise SignalledWhileWaiting(signal_name)
         servers.check()
-        if alone and stop.received:
-            raise SignalledWhileWaiting
+        return not over_processes([float(not ready)], "max", accelerator)[0]
 
-    stream = GroupReader(args, start=learner.stream_position, while_waiting=while_waiting)
+    stream = GroupReader(args, start=learner.stream_position, everyone_has=everyone_has)
     evaluations = EvaluationLog(args, tracker, start=version) if main and args.evaluation.eval_every else None
 
     def stopped_after(step: int, signal_name: str) -> preemption.Preempted:
@@ -469,17 +472,19 @@ def train_until_stopped(
         timer.waiting_for_data()
         try:
             groups = stream.read_step(version)
-        except SignalledWhileWaiting:
+        except SignalledWhileWaiting as signalled:
             checkpoints.save_checkpoint(
                 args, model, learner.tokenizer, optimizer, version, stream.position, accelerator
             )
-            raise stopped_after(version, signal.Signals(stop.received).name) from None
+            raise stopped_after(version, str(signalled)) from None
         timer.training()
         samples = flatten_groups(groups)
         rewards = torch.tensor([s.reward for s in samples])
         stats, grad_norm = optimizer_step(learner, groups, rewards, args, version, accelerator)
         version += 1
-        push_s = servers.push_if_due(model, version, accelerator)
+        signal_name = stop.agreed(accelerator)
+        # a stopping run's checkpoint holds these weights, and its servers may be ending on the same signal
+        push_s = 0.0 if signal_name and version < args.optim.steps else servers.push_if_due(model, version, accelerator)
         times = timer.step_done(push_s)
         if accelerator is not None:  # what the largest process holds: a share of the model, not all of it
             stats |= sharding.memory_stats(accelerator, model, optimizer, *filter(None, [learner.reference]))
@@ -488,7 +493,6 @@ def train_until_stopped(
             log_step(tracker, args, version, groups, {**metrics, **stats})
             if evaluations is not None:
                 evaluations.log_arrived(version)
-        signal_name = stop.agreed(accelerator)
         if schedule.due(args.save_interval, version) or signal_name:
             checkpoints.save_checkpoint(
                 args, model, learner.tokenizer, optimizer, version, stream.position, accelerator
@@ -504,7 +508,7 @@ def train_until_stopped(
 
 
 class SignalledWhileWaiting(Exception):
-    """A one-process trainer received a signal to stop while it waited for the stream."""
+    """The trainer's processes agreed, while they waited for the stream, to stop on a signal (its name)."""
 
 
 def optimizer_step(
@@ -604,14 +608,20 @@ def whole_parameters(model: torch.nn.Module, accelerator=None) -> list[tuple[str
     return [(name, whole[name]) for name in names] if accelerator.is_main_process else []
 
 
+WAIT_ROUND_S = 1.0
+"""the longest a read of the stream waits before the trainer's processes ask each other again (a signal, every
+process's groups)"""
+
+
 class GroupReader:
     """The stream's groups, one optimizer step's at a time, checked against this trainer's settings (`check_group`)."""
 
-    def __init__(self, args: GRPOArgs, start: int, while_waiting: Callable[[], None]):
-        """`start`: the stream position to read from; `while_waiting()` is called before each read of the stream,
-        which waits up to a second (what it raises ends the wait: the trainer checks that a server is left to
-        update, without which no samples would ever come)."""
-        self.args, self.while_waiting = args, while_waiting
+    def __init__(self, args: GRPOArgs, start: int, everyone_has: Callable[[bool], bool]):
+        """`start`: the stream position to read from; `everyone_has(ready)`, asked before each read of the stream
+        (which waits up to `WAIT_ROUND_S`) and once groups are there (`ready`), says whether every trainer process
+        has its groups: they read on until all have, each asking as often (what it raises ends the wait: a signal
+        to stop, no server left to update)."""
+        self.args, self.everyone_has = args, everyone_has
         self.schedule = args.run_schedule()
         self.reader = open_reader(args.stream_url(), Group.from_json, start=start)
         self.buffered: list[Group] = []
@@ -619,12 +629,11 @@ class GroupReader:
     def read_step(self, version: int) -> list[Group]:
         """The groups of the step after `version`, waiting for them (and in `sync` mode for the rest of the round:
         `Schedule.groups_to_read`)."""
-        if not self.buffered:
-            wanted = self.schedule.groups_to_read(version)
-            while len(self.buffered) < wanted:
-                self.while_waiting()
-                self.buffered += self.reader.read(wanted - len(self.buffered), timeout_s=1.0)
         per_step = self.schedule.groups_per_step
+        wanted = self.schedule.groups_to_read(version) if not self.buffered else per_step
+        while not self.everyone_has(len(self.buffered) >= wanted):
+            if len(self.buffered) < wanted:  # one that has its groups reads no further (a sync round's end)
+                self.buffered += self.reader.read(wanted - len(self.buffered), timeout_s=WAIT_ROUND_S)
         groups, self.buffered = self.buffered[:per_step], self.buffered[per_step:]
         for group in groups:
             check_group(group, self.args)

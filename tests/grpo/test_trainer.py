@@ -231,25 +231,27 @@ def stream_group(problem: int, attempts: int = 8, **fields) -> Group:
 
 def test_the_trainer_reads_a_step_of_groups_at_a_time_and_in_sync_mode_the_whole_round_first(tmp_path):
     """Two groups a step. `sync` with rounds of 3 steps, run for 4: before step 1 the trainer waits for the whole
-    round (6 groups), steps 2 and 3 take theirs from what it read, step 4 (the last round, cut short) reads its
-    own; the position (what a checkpoint records) counts only the groups trained on."""
+    round (6 groups), steps 2 and 3 take theirs from what it read (asking once whether every process has its
+    groups), step 4 (the last round, cut short) reads its own; the position (what a checkpoint records) counts only
+    the groups trained on."""
     args = grpo_args(get_preset("tiny"), mode="sync", sync_steps=3, steps=4, batch_size=16, output_dir=str(tmp_path))
     writer = open_writer(args.stream_url())
     for problem in range(5):
         writer.write(stream_group(problem))
-    waits = []
+    asked = []
 
-    def while_waiting():  # called between reads: the round's last group comes while the trainer waits
-        waits.append(len(waits))
-        if len(waits) == 2:
+    def everyone_has(ready: bool) -> bool:  # the round's last group comes while the trainer waits
+        asked.append(ready)
+        if asked == [False, False]:
             writer.write(stream_group(5))
+        return ready
 
-    stream = GroupReader(args, start=0, while_waiting=while_waiting)
-    assert [g.problem_id for g in stream.read_step(0)] == ["p0", "p1"] and len(waits) >= 2
-    assert stream.position == 2
+    stream = GroupReader(args, start=0, everyone_has=everyone_has)
+    assert [g.problem_id for g in stream.read_step(0)] == ["p0", "p1"] and asked[:2] == [False, False]
+    assert asked[-1] and stream.position == 2
     assert [g.problem_id for g in stream.read_step(1)] == ["p2", "p3"] and stream.position == 4
-    waited = len(waits)
-    assert [g.problem_id for g in stream.read_step(2)] == ["p4", "p5"] and len(waits) == waited
+    waited = len(asked)
+    assert [g.problem_id for g in stream.read_step(2)] == ["p4", "p5"] and asked[waited:] == [True]
     writer.write(stream_group(6, attempts=4))  # another group size than the trainer's: refused
     writer.write(stream_group(7))
     with pytest.raises(UserError, match="group for problem 'p6' has 4 attempts"):
@@ -257,8 +259,10 @@ def test_the_trainer_reads_a_step_of_groups_at_a_time_and_in_sync_mode_the_whole
     stream.close()
     writer.close()
 
-    stream = GroupReader(args, start=2, while_waiting=lambda: None)
+    others = iter([False, False])  # another trainer process waits for its groups: this one reads past no round
+    stream = GroupReader(args, start=2, everyone_has=lambda ready: ready and next(others, True))
     assert [g.problem_id for g in stream.read_step(1)] == ["p2", "p3"]  # a resumed run, mid-round
+    assert stream.reader.position == 6 and next(others, None) is None  # the round's p2-p5, not p6 and p7
     stream.close()
 
 

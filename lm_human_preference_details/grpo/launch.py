@@ -10,7 +10,8 @@ run on devices of their own and the trainer is one process per remaining device,
 CPUs, NCCL on GPUs; the environment `accelerate launch --config_file configs/accelerate/fsdp2.yaml` would give
 them): the first sends the weights, logs and checkpoints, and one that fails ends the run. Over several nodes
 (`--nnodes`, or the scheduler's variables) each node's launcher starts its share of the map, and they meet through
-a TCPStore on node 0 (`grpo.rendezvous`); a node that fails or is killed ends the run on every node.
+a TCPStore on node 0 (`grpo.rendezvous`); a node that fails or is killed ends the run on every node, and a signal to
+stop (below) that reaches any node's launcher stops every node at one step.
 
 Every process it started is stopped when the run ends, when it fails, on Ctrl-C, and (through a watchdog in each
 child) when the launcher itself is killed. SIGTERM or SIGUSR1 (a cluster's "stop soon": `preemption`) goes on to the
@@ -207,7 +208,7 @@ class Run:
     def check_others(self) -> None:
         """What ends a wait for servers: a signal to stop (no step is trained before they serve: nothing to save), this
         node's trainer or actor ended, or another node failed or went away."""
-        if self.stop_signals.received:
+        if self.stop_requested() and self.plan.rank == 0:  # node 0 says where the run stopped: `meeting.check`
             raise self.stopped()
         self.check_roles_started()
         if self.meeting is not None:
@@ -222,14 +223,16 @@ class Run:
     def wait(self) -> None:
         """Until the run is over: node 0's trainer processes are done (on node 0, the trainer's rank 0; elsewhere,
         node 0 says so). Raises if a trainer process or the actor fails, every server of this node is gone, or
-        (`rendezvous.NodeLost`) another node failed or went away. A signal to stop goes on to the trainer processes;
-        once they stopped with a checkpoint, `preemption.Preempted`."""
+        (`rendezvous.NodeLost`) another node failed or went away. A signal to stop (`stop_requested`) goes on to the
+        trainer processes; once they stopped with a checkpoint, `preemption.Preempted` (beyond node 0: once node 0
+        says so, with its line)."""
         forwarded = False
         while True:
-            if self.stop_signals.received and not forwarded:
+            signum = self.stop_requested()
+            if signum and not forwarded:
                 for process in self.trainers():
                     with contextlib.suppress(ProcessLookupError):  # one that ended already: `local_failure` says why
-                        os.kill(process.pid, self.stop_signals.received)
+                        os.kill(process.pid, signum)
                 forwarded = True
             if self.meeting is not None:
                 self.meeting.check()
@@ -237,12 +240,23 @@ class Run:
             if failure is not None:
                 raise self.explained(failure)
             trainers = self.trainers()
-            if any(p.exitcode == cli.PREEMPTED for p in trainers) and all(p.exitcode is not None for p in trainers):
+            ended = all(p.exitcode is not None for p in trainers)
+            if ended and any(p.exitcode == cli.PREEMPTED for p in trainers) and self.plan.rank == 0:
                 raise self.stopped()
             finished = all(process.exitcode == 0 for process in trainers)
             if finished and (self.plan.rank == 0 or self.meeting is None or self.meeting.node0_done):
                 return
             time.sleep(0.2)
+
+    def stop_requested(self) -> int:
+        """The signal that asks the run to stop (0: none): this launcher's, which it passes on to the other nodes'
+        (`Rendezvous.request_stop`), or one another node's launcher received: a run stops on every node at once."""
+        received = self.stop_signals.received
+        if self.meeting is None:
+            return received
+        if received:
+            self.meeting.request_stop(received)
+        return received or self.meeting.stop_requested
 
     def trainers(self) -> list[multiprocessing.Process]:
         """This node's trainer processes."""
@@ -252,7 +266,7 @@ class Run:
         """What failed on this node: a trainer process or the actor, or every server. Once a signal asked the run to
         stop, only a trainer process: a cluster signals every process of a job, and the actor and the servers end on
         it, while the trainer finishes its step."""
-        stopping = bool(self.stop_signals.received)
+        stopping = bool(self.stop_requested())
         for name, process in self.roles.items():
             if process.exitcode not in (None, 0, cli.PREEMPTED) and not (stopping and name == "actor"):
                 return f"the {name} exited with status {process.exitcode}"
@@ -297,7 +311,7 @@ class Run:
 
         path = checkpoint.state_file(checkpoint.folder(self.args.output_dir), "state.json")
         version = checkpoint.read_json(path)["version"] if path is not None else 0
-        received = self.stop_signals.received
+        received = self.stop_requested()
         name = signal.Signals(received).name if received else "a signal to the trainer"
         return preemption.stopped(version, self.args.optim.steps, "step", name)
 
@@ -383,7 +397,10 @@ def run_node(args: GRPOArgs, plan: nodes.NodePlan, engine, meeting, stop: preemp
             print(run_summary(args.output_dir, plan, servers=len(run.server_urls)), flush=True)
         ok = True
     except BaseException as error:
-        if meeting is not None and not isinstance(error, rendezvous.NodeLost):
+        if meeting is not None and isinstance(error, preemption.Preempted):
+            if plan.rank == 0:  # the others end with its line (beyond node 0 it came from there)
+                meeting.stopped(str(error))
+        elif meeting is not None and not isinstance(error, rendezvous.NodeLost):
             why = "stopped by a signal" if isinstance(error, (SystemExit, KeyboardInterrupt)) else str(error)
             meeting.fail(f"node {plan.rank} ({meeting.roles[plan.rank]}): {why}")
         raise

@@ -7,7 +7,9 @@ holds it, the others connect. Through it the launchers
   the trainer's process group;
 - publish the URLs of the servers they start, and read everyone's (`publish_servers`, `server_urls`);
 - hear of each other's end (`watch`, `check`): a node that fails says so, a node that is killed falls silent, and
-  node 0 going away closes the store; within `SILENCE_LIMIT_S` every launcher knows and stops its processes.
+  node 0 going away closes the store; within `SILENCE_LIMIT_S` every launcher knows and stops its processes;
+- stop together on a cluster's signal (`request_stop`, `stopped`): a launcher that receives one asks every node to
+  stop, node 0 says where the run stopped once its trainer checkpointed, and every node ends with that line.
 
 Every value in the store is a typed record with a schema version (`NodeHello`, `RunStart`) or a line of text.
 """
@@ -20,6 +22,8 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+
+from lm_human_preference_details import preemption
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +104,9 @@ class Rendezvous:
         self.prefix = f"grpo/{agent_store}" if agent_store is not None else "grpo"
         self._failure: str | None = None
         self._node0_done = False
+        self._stop_requested = 0  # the signal a launcher asked every node to stop on (`request_stop`)
+        self._stop_posted = False
+        self._stopped: str | None = None  # node 0's line, once the run stopped on that signal
         self._stop = threading.Event()
         self.hellos: dict[int, NodeHello] = {}  # once met: node 0's (every node's, on node 0)
         self.store = self._connect(is_master=node_rank == 0 and agent_store is None, timeout_s=timeout_s)
@@ -230,6 +237,11 @@ class Rendezvous:
                 if self.node_rank != 0 and store.check(["done"]):
                     self._node0_done = True
                     return
+                if not self._stop_requested and store.check(["stop"]):
+                    self._stop_requested = int(store.get("stop"))
+                if self.node_rank != 0 and store.check(["stopped"]):
+                    self._stopped = store.get("stopped").decode()
+                    return
                 for rank, (count, since) in seen.items():
                     now = store.add(f"alive/{rank}", 0)
                     if now != count:
@@ -244,9 +256,30 @@ class Rendezvous:
                 return
 
     def check(self) -> None:
-        """NodeLost if another node failed or went away."""
+        """NodeLost if another node failed or went away; `preemption.Preempted`, with node 0's line, once node 0
+        said the run stopped on a signal (`stopped`)."""
         if self._failure is not None:
             raise NodeLost(self._failure)
+        if self._stopped is not None:
+            raise preemption.Preempted(self._stopped)
+
+    def request_stop(self, signum: int) -> None:
+        """Ask every node to stop the run (this launcher received `signum`, a cluster's "stop soon"; the first
+        request is the one all hear); best effort: the store may be gone."""
+        if not self._stop_posted:
+            with contextlib.suppress(RuntimeError):
+                self.store.compare_set("stop", "", str(signum))
+            self._stop_posted = True
+
+    @property
+    def stop_requested(self) -> int:
+        """The signal some launcher asked every node to stop on, as heard within a heartbeat; 0: none."""
+        return self._stop_requested
+
+    def stopped(self, line: str) -> None:
+        """Node 0: the run stopped on a signal, with a checkpoint; `line` (where it stopped) is every node's last."""
+        with contextlib.suppress(RuntimeError):
+            self.store.set("stopped", line)
 
     @property
     def node0_done(self) -> bool:

@@ -11,6 +11,7 @@ import pytest
 from lm_human_preference_details.grpo import rendezvous
 from lm_human_preference_details.grpo.launch import free_port
 from lm_human_preference_details.grpo.rendezvous import NodeHello, NodeLost, Rendezvous, RendezvousError, RunStart
+from lm_human_preference_details.preemption import Preempted
 
 ROLES = {0: "trainer ranks 0-1, actor, rendezvous", 1: "servers 0-1"}
 START = RunStart(
@@ -33,10 +34,15 @@ def node_1(port: int, digest: str, said: multiprocessing.Queue, then: str) -> No
         meeting.watch()
         if then == "hang":
             time.sleep(600)
-        while not meeting.node0_done:
-            meeting.check()
-            time.sleep(0.1)
-        said.put("done")
+        if then == "stop":  # its launcher received SIGTERM
+            meeting.request_stop(signal.SIGTERM)
+        try:
+            while not meeting.node0_done:
+                meeting.check()
+                time.sleep(0.1)
+            said.put("done")
+        except Preempted as stopped:  # node 0 said where the run stopped
+            said.put(str(stopped))
         meeting.part(ok=True)
     except (RendezvousError, NodeLost) as error:
         said.put(str(error))
@@ -51,16 +57,27 @@ def start_node_1(port: int, digest: str = "map", then: str = "finish"):
 
 
 @pytest.mark.slow
-def test_nodes_meet_share_the_start_and_the_servers_then_part():
+@pytest.mark.parametrize("then", ["finish", "stop"])
+def test_nodes_meet_share_the_start_and_the_servers_then_part_or_stop_on_node_1s_signal(then):
+    """At the end node 0 says the run is done; or node 1 asks every node to stop (its launcher received SIGTERM):
+    node 0 hears it within a heartbeat or two, and once it says where the run stopped, node 1 ends with that line."""
     port = free_port()
-    process, said = start_node_1(port)
+    process, said = start_node_1(port, then=then)
     meeting = node(0, port)
     meeting.announce(START)
     meeting.watch()
     assert said.get(timeout=30) == START
     assert meeting.server_urls(2, while_waiting=lambda: None) == {0: "http://127.0.0.1:1", 1: "http://127.0.0.1:2"}
-    meeting.part(ok=True)
-    assert said.get(timeout=30) == "done"
+    if then == "stop":
+        deadline = time.monotonic() + 3 * rendezvous.HEARTBEAT_S
+        while meeting.stop_requested != signal.SIGTERM:
+            assert time.monotonic() < deadline, "node 1's request to stop was not heard"
+            time.sleep(0.05)
+        meeting.check()  # a stop is no failure
+        meeting.stopped("stopped at step 7 of 9 on SIGTERM: rerun with --resume")
+    meeting.part(ok=then == "finish")
+    expected = "done" if then == "finish" else "stopped at step 7 of 9 on SIGTERM: rerun with --resume"
+    assert said.get(timeout=30) == expected
     process.join(30)
     assert process.exitcode == 0
 

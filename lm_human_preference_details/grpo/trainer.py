@@ -483,8 +483,10 @@ def train_until_stopped(
         stats, grad_norm = optimizer_step(learner, groups, rewards, args, version, accelerator)
         version += 1
         signal_name = stop.agreed(accelerator)
+        push_s = 0.0
         # a stopping run's checkpoint holds these weights, and its servers may be ending on the same signal
-        push_s = 0.0 if signal_name and version < args.optim.steps else servers.push_if_due(model, version, accelerator)
+        if not signal_name or version == args.optim.steps:
+            push_s = servers.push_if_due(model, version, accelerator, stop)
         times = timer.step_done(push_s)
         if accelerator is not None:  # what the largest process holds: a share of the model, not all of it
             stats |= sharding.memory_stats(accelerator, model, optimizer, *filter(None, [learner.reference]))
@@ -717,20 +719,30 @@ class ServerUpdates:
         # weights go out in the servers' dtype (bf16 on GPUs): they check it before receiving
         self.dtype = served_dtype(server_urls[0]) if sends else None
 
-    def push_if_due(self, model: torch.nn.Module, version: int, accelerator=None) -> float:
+    def push_if_due(
+        self, model: torch.nn.Module, version: int, accelerator=None, stop: preemption.StopSignals | None = None
+    ) -> float:
         """Hand weights `version` to the sender if the schedule says so; the seconds that took (0 if not due). One
         trainer process: the weights are copied and sent in the sender's thread while the next step runs. Several
         (`accelerator` of a sharded model): gathered one bucket at a time, every process joining, each bucket sent
-        while the next is gathered (`push_sharded`); the step waits for the whole push."""
+        while the next is gathered (`push_sharded`); the step waits for the whole push. A push that fails once
+        `stop` received a signal is no failure: a job's servers end on the same signal, and the checkpoint the
+        trainer then writes holds these weights."""
         if not self.schedule.push_due(version):
             return 0.0
         start = time.perf_counter()
         bucket_bytes = int(self.args.processes.update_bucket_mb * 2**20)
-        if accelerator is not None and accelerator.num_processes > 1:
-            dropped = self.push_sharded(model, version, bucket_bytes)
-        else:
-            parameters = whole_parameters(model, accelerator)
-            dropped = self.sender.push_tensors(parameters, version, dtype=self.dtype, bucket_bytes=bucket_bytes)
+        try:
+            if accelerator is not None and accelerator.num_processes > 1:
+                dropped = self.push_sharded(model, version, bucket_bytes)
+            else:
+                parameters = whole_parameters(model, accelerator)
+                dropped = self.sender.push_tensors(parameters, version, dtype=self.dtype, bucket_bytes=bucket_bytes)
+        except Exception as error:
+            if stop is None or not stop.received:
+                raise
+            log.warning("weights %d reached no server (%s): the run is stopping on a signal", version, error)
+            dropped = []
         push_s = time.perf_counter() - start
         if dropped:
             log.warning("servers dropped from weight updates: %s", dropped)

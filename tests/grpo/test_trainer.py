@@ -5,12 +5,14 @@ import copy
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from lm_human_preference_details import preemption
 from lm_human_preference_details.cli import UserError
 from lm_human_preference_details.grpo import trainer
 from lm_human_preference_details.grpo.checkpoints import checkpoint_model, save_checkpoint
@@ -287,6 +289,27 @@ def test_the_weights_go_to_the_servers_after_every_step_or_every_round_and_after
         assert [v for v, _, _ in pushed] == expected
         assert {(dtype, bucket_bytes) for _, dtype, bucket_bytes in pushed} == {(torch.bfloat16, 2**19)}
         assert all((t > 0) == (v in expected) for v, t in zip(range(1, 7), times))
+
+
+def test_a_push_that_fails_once_the_trainer_received_a_signal_to_stop_is_no_failure(monkeypatch, caplog):
+    """A job's servers end on the signal that stops the trainer: its checkpoint holds the weights that reached none."""
+
+    class Sender:
+        def __init__(self, urls, backend, host):
+            pass
+
+        def push_tensors(self, parameters, version, dtype, bucket_bytes):
+            raise RuntimeError("every server was dropped from weight updates")
+
+    monkeypatch.setattr(trainer, "WeightSender", Sender)
+    monkeypatch.setattr(trainer, "served_dtype", lambda url: torch.float32)
+    servers = ServerUpdates(grpo_args(get_preset("tiny"), mode="pipeline"), ["http://127.0.0.1:1"])
+    stop = preemption.StopSignals()
+    with pytest.raises(RuntimeError, match="every server was dropped"):
+        servers.push_if_due(torch.nn.Linear(1, 1), 1, stop=stop)
+    stop.received = signal.SIGTERM
+    servers.push_if_due(torch.nn.Linear(1, 1), 2, stop=stop)
+    assert "weights 2 reached no server (every server was dropped" in caplog.text
 
 
 def test_a_steps_metrics_say_its_lag_throughput_and_where_its_time_went(monkeypatch):

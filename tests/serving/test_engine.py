@@ -139,6 +139,25 @@ def test_finished_slots_are_refilled_and_stop_tokens_end_sequences(tiny_math):
         assert tokenizer.eos_token_id not in stopped.token_ids[:-1]
 
 
+def test_a_watch_gets_each_step_s_tokens_once_and_they_add_up_to_the_generations(tiny_math):
+    """A streamed request's view (`submit_many`'s `watch`): one call per step, each sequence's one new token with its
+    logprob and version, the finish reason on its last; all in before its future resolves."""
+    model, tokenizer = tiny_math
+    prompt = tokenizer(tiny_math_prompt(1, 2))["input_ids"]
+    requests = [GenerationRequest(prompt, 5, top_logprobs=2), GenerationRequest(prompt, 3, top_logprobs=2)]
+    calls: list[list] = []
+    with Engine(model, max_batch_size=4, seed=0, vocab_size=len(tokenizer)) as engine:
+        futures = engine.submit_many(requests, watch=calls.append)
+        generations = [f.result(timeout=60) for f in futures]
+    assert [sorted(position for position, _ in call) for call in calls] == [[0, 1]] * 3 + [[0]] * 2
+    for position, generation in enumerate(generations):
+        deltas = [delta for call in calls for p, delta in call if p == position]
+        assert all(len(d.token_ids) == len(d.logprobs) == len(d.versions) == len(d.top_logprobs) == 1 for d in deltas)
+        assert [d.finish_reason for d in deltas] == [""] * (len(deltas) - 1) + ["length"]
+        for name in ("token_ids", "logprobs", "versions", "top_logprobs"):
+            assert [x for d in deltas for x in getattr(d, name)] == getattr(generation, name)
+
+
 def test_sample_tokens_draws_each_row_from_its_distribution(monkeypatch):
     probs = torch.tensor([[0.1, 0.0, 0.6, 0.3, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, 1.0]])
     logprobs = probs.log().repeat(100_000, 1)  # zero probabilities: -inf

@@ -3,8 +3,9 @@
 One thread owns the model. Each loop iteration: apply a pending weight update (the only pause),
 admit queued requests into free slots (one batched prefill, one row per distinct prompt: the n
 samples of a prompt share it), take one decode step for every active
-sequence, hand finished sequences back. A finished sequence's slot is refilled on the next
-iteration, so the batch stays full while requests are queued (continuous batching).
+sequence, hand each watched (streamed) request its new tokens, hand finished sequences back. A
+finished sequence's slot is refilled on the next iteration, so the batch stays full while
+requests are queued (continuous batching).
 
 The KV cache lives in buffers allocated once per layer ([rows, heads, columns, head dim], see
 `DecodingBatch`): a decode step writes one column in place, where transformers' `DynamicCache`
@@ -56,15 +57,25 @@ class Generation:
     versions: list[int]
     """weight version that sampled each token"""
     finish_reason: str
-    """`stop` (a stop token was sampled, or `stops_at` said so) or `length` (max_new_tokens reached)"""
+    """`stop` (a stop token was sampled, or `stops_at` said so) or `length` (max_new_tokens reached); in a step's
+    `Watch` delta, "" until the sequence's last"""
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     """per token, the request's `top_logprobs` most likely (token id, logprob); empty unless it asked"""
+
+
+Watch = Callable[[list[tuple[int, Generation]]], None]
+"""`submit_many`'s `watch`: called on the engine thread once per step that sampled tokens of the submitted requests,
+with (position in the submitted list, a `Generation` of the step's one token) for each; it must neither block nor
+raise (an error fails the whole batch's step)"""
 
 
 @dataclass
 class _Sequence:
     request: GenerationRequest
     future: Future
+    watch: Watch | None = None
+    position: int = 0
+    """in the list `submit_many` was given: what `watch` names it by"""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -117,16 +128,19 @@ class Engine:
         """Queue a request; the future resolves to a `Generation`. Checks it (`check`) before queueing."""
         return self.submit_many([request])[0]
 
-    def submit_many(self, requests: list[GenerationRequest]) -> list[Future]:
+    def submit_many(self, requests: list[GenerationRequest], watch: Watch | None = None) -> list[Future]:
         """Queue several requests at once (the same request object may appear several times: n samples
-        of one prompt); all are checked before any is queued."""
+        of one prompt); all are checked before any is queued. `watch`, when given, gets each step's new tokens
+        (a stream's) before the futures of the sequences that step finished resolve."""
         for request in {id(r): r for r in requests}.values():
             self.check(request)
         futures = [Future() for _ in requests]
         with self._wake:
             if self._stopped:
                 raise RuntimeError("engine stopped")
-            self._queue.extend(_Sequence(request, future) for request, future in zip(requests, futures))
+            self._queue.extend(
+                _Sequence(request, future, watch, i) for i, (request, future) in enumerate(zip(requests, futures))
+            )
             self._wake.notify()
         return futures
 
@@ -286,6 +300,7 @@ class Engine:
         wanted = max(s.request.top_logprobs for s in sequences)
         top = logprobs.topk(wanted, dim=-1) if wanted else None  # one call for the rows that ask
         finished, version = [], self.version
+        watched: dict[Watch, list[tuple[int, Generation]]] = {}
         # per row only what the Generation needs; a client's going away is `drop`'s, between two steps
         for row, (sequence, token, logprob) in enumerate(
             zip(sequences, tokens.tolist(), token_logprobs.tolist()), first_row
@@ -296,13 +311,21 @@ class Engine:
             if sequence.request.top_logprobs:
                 k, i = sequence.request.top_logprobs, row - first_row
                 sequence.top_logprobs.append(list(zip(top.indices[i, :k].tolist(), top.values[i, :k].tolist())))
+            reason = ""
             if token in sequence.request.stop_token_ids:
-                finished.append((row, "stop"))
+                reason = "stop"
             elif sequence.request.stops_at is not None and sequence.request.stops_at(sequence.token_ids):
-                finished.append((row, "stop"))
+                reason = "stop"
             elif len(sequence.token_ids) >= sequence.request.max_new_tokens:
-                finished.append((row, "length"))
+                reason = "length"
+            if reason:
+                finished.append((row, reason))
+            if sequence.watch is not None:
+                delta = Generation([token], [logprob], [version], reason, sequence.top_logprobs[-1:])
+                watched.setdefault(sequence.watch, []).append((sequence.position, delta))
         self.stats["generated_tokens"] += len(sequences)
+        for watch, deltas in watched.items():  # one call per request and step: a wake-up of its client's loop
+            watch(deltas)
         if finished:
             self._finish(finished)
 

@@ -13,6 +13,7 @@ vLLM's layer-wise reload gets wrong without the server's fix).
 """
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import shutil
@@ -141,7 +142,7 @@ def sdk(url: str) -> openai.OpenAI:
 
 
 def check_the_sdk(url: str, model: str) -> None:
-    """models.list, n, logprobs with top_logprobs, stop, stream with usage, chat (streamed too), through the SDK."""
+    """models.list, n, logprobs with top_logprobs, stop, chat, through the SDK."""
     client = sdk(url)
     assert [m.id for m in client.models.list()] == [model]
 
@@ -165,24 +166,64 @@ def check_the_sdk(url: str, model: str) -> None:
             assert len(top) == 2 and max(top.values()) >= logprob - 1e-4 and all(v <= 0 for v in top.values())
             assert token in top or logprob <= min(top.values()) + 1e-4
 
-    chunks = list(
-        client.completions.create(
-            model=model, prompt="5+6=", max_tokens=4, n=2, stream=True, stream_options={"include_usage": True}
-        )
-    )
-    texts = [c for c in chunks if c.choices]
-    assert sorted(c.choices[0].index for c in texts) == [0, 1]
-    assert all(c.choices[0].finish_reason in ("stop", "length") and c.choices[0].text is not None for c in texts)
-    assert chunks[-1].usage.completion_tokens == sum(len(c.choices[0].model_extra["token_ids"]) for c in texts)
-
     messages = [{"role": "user", "content": "2+2"}]
     chat = client.chat.completions.create(model=model, messages=messages, max_tokens=4, logprobs=True, top_logprobs=3)
     content = chat.choices[0].logprobs.content
     assert chat.choices[0].message.role == "assistant" and len(content) == len(chat.choices[0].model_extra["token_ids"])
     assert all(len(entry.top_logprobs) == 3 for entry in content)
-    streamed = list(client.chat.completions.create(model=model, messages=messages, max_tokens=4, stream=True))
-    assert streamed and all(c.object == "chat.completion.chunk" for c in streamed)
-    assert isinstance(streamed[0].choices[0].delta.content, str) and streamed[0].choices[0].finish_reason
+
+
+def check_the_sdk_streams_token_by_token(url: str, model: str) -> None:
+    """`stream=True`: several chunks per choice as the tokens are decoded, the choices interleaved by index, adding up
+    to the unstreamed reply (greedy in effect): text, token ids and logprobs; the finish reason and every token's
+    version on a choice's last chunk, the usage in a last chunk of its own; a stop string that spans chunks cut as
+    unstreamed; chat's deltas."""
+    client = sdk(url)
+    greedy = {"temperature": MIN_TEMPERATURE, "extra_body": {"ignore_eos": True}}
+    request = dict(model=model, prompt=["1+2=", "3+4="], n=2, max_tokens=16, logprobs=1, **greedy)
+    whole = client.completions.create(**request)
+    *chunks, last = client.completions.create(**request, stream=True, stream_options={"include_usage": True})
+    assert last.choices == [] and last.usage == whole.usage
+    assert all(c.usage is None and len(c.choices) == 1 for c in chunks)
+    assert chunks[0].model_extra["prompt_token_ids"] == whole.model_extra["prompt_token_ids"]
+    indexes = [c.choices[0].index for c in chunks]
+    assert indexes != sorted(indexes)  # interleaved, as decoded
+    for choice in whole.choices:
+        mine = [c.choices[0] for c in chunks if c.choices[0].index == choice.index]
+        assert len(mine) >= 4
+        assert "".join(c.text for c in mine) == choice.text
+        assert [t for c in mine for t in c.model_extra["token_ids"]] == choice.model_extra["token_ids"]
+        assert all(len(c.logprobs.tokens) == len(c.model_extra["token_ids"]) for c in mine)
+        assert [t for c in mine for t in c.logprobs.tokens] == choice.logprobs.tokens
+        streamed_logprobs = [lp for c in mine for lp in c.logprobs.token_logprobs]
+        assert streamed_logprobs == pytest.approx(choice.logprobs.token_logprobs, abs=1e-3)
+        assert all(len(top) == 1 for c in mine for top in c.logprobs.top_logprobs)
+        assert [c.finish_reason for c in mine] == [None] * (len(mine) - 1) + [choice.finish_reason]
+        assert mine[-1].model_extra["model_versions"] == choice.model_extra["model_versions"]
+        assert all("model_versions" not in c.model_extra for c in mine[:-1])
+
+    text = whole.choices[0].text
+    stop = text[4:7]  # three tokens of tiny-math: the stream holds back its first two
+    cut = client.completions.create(model=model, prompt="1+2=", max_tokens=16, stop=[stop], **greedy).choices[0]
+    pieces = [
+        c.choices[0]
+        for c in client.completions.create(
+            model=model, prompt="1+2=", max_tokens=16, stop=[stop], stream=True, **greedy
+        )
+    ]
+    assert "".join(p.text for p in pieces) == cut.text == text[: text.find(stop)] and len(pieces) > 1
+    assert pieces[-1].finish_reason == cut.finish_reason == "stop"
+    assert [t for p in pieces for t in p.model_extra["token_ids"]] == cut.model_extra["token_ids"]
+
+    messages = [{"role": "user", "content": "2+2"}]
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=16, logprobs=True, **greedy)
+    deltas = list(client.chat.completions.create(model=model, messages=messages, max_tokens=16, stream=True, **greedy))
+    assert len(deltas) > 1 and all(c.object == "chat.completion.chunk" for c in deltas)
+    assert deltas[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content for c in deltas) == chat.choices[0].message.content
+    entries = [e for c in deltas for e in c.choices[0].logprobs.content]
+    assert [e.token for e in entries] == [e.token for e in chat.choices[0].logprobs.content]
+    assert [c.choices[0].finish_reason for c in deltas][-2:] == [None, chat.choices[0].finish_reason]
 
 
 def check_a_rendezvous_that_never_comes_is_a_clear_error(url: str) -> dict:
@@ -203,17 +244,20 @@ def check_a_rendezvous_that_never_comes_is_a_clear_error(url: str) -> dict:
 
 
 def check_a_client_that_hangs_up_has_its_sequences_dropped(url: str, prompts: int, max_tokens: int) -> None:
-    """A request of many long sequences, its client gone after a second: the server stops decoding them."""
+    """Two requests of many long sequences, one of them streamed, their clients gone after a second: the server
+    stops decoding them."""
     metrics = request_json("GET", f"{url}/metrics")
-    body = {"prompt": ["1+2="] * prompts, "n": 512 // prompts, "max_tokens": max_tokens, "ignore_eos": True}
     host, port = url.removeprefix("http://").rsplit(":", 1)
-    payload = json.dumps(body).encode()
-    with socket.create_connection((host, int(port))) as connection:
-        connection.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            + f"Content-Length: {len(payload)}\r\n\r\n".encode()
-            + payload
-        )
+    with contextlib.ExitStack() as connections:
+        for stream in (False, True):
+            body = {"prompt": ["1+2="] * (prompts // 2), "n": 512 // prompts, "max_tokens": max_tokens}
+            payload = json.dumps({**body, "ignore_eos": True, "stream": stream}).encode()
+            connection = connections.enter_context(socket.create_connection((host, int(port))))
+            connection.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+                + payload
+            )
         for _ in range(600):  # until it decodes
             if request_json("GET", f"{url}/health")["active"]:
                 break
@@ -523,9 +567,13 @@ def test_after_updates_greedy_tokens_equal_a_fresh_server_loaded_with_the_new_we
     assert request_json("GET", f"{fresh_url}/weights_digest")["digests"] == digest(model)
 
 
-def test_the_openai_sdk_streams_stops_lists_models_and_gives_top_logprobs(engine_server):
+def test_the_openai_sdk_stops_lists_models_and_gives_top_logprobs(engine_server):
     """After the fresh server's test, as those below (they take the module's server as it is now)."""
     check_the_sdk(engine_server.url, engine_server.model)
+
+
+def test_the_openai_sdk_streams_token_by_token(engine_server):
+    check_the_sdk_streams_token_by_token(engine_server.url, engine_server.model)
 
 
 def test_a_rendezvous_that_never_comes_is_a_clear_error(engine_server):

@@ -212,6 +212,26 @@ def test_the_server_dtypes_are_dtypes_an_update_can_carry():
     assert ParameterSpec.from_json(json.loads(json.dumps(spec.to_json()))) == spec  # through the wire and back
 
 
+def test_a_stream_holds_back_the_text_that_could_still_become_a_stop_string_and_cuts_at_one():
+    from lm_human_preference_details.grpo.serving.replies import settled_text
+
+    stops = ("}\n", "The end")
+    assert settled_text("x = {1}", stops, last=False) == ("x = {1", False)  # "}" may begin "}\n"
+    assert settled_text("x = {1}", stops, last=True) == ("x = {1}", False)  # the last text holds nothing back
+    assert settled_text("So. The e", stops, last=False) == ("So. ", False)  # the longest end that begins one
+    assert settled_text("So. The", stops, last=False) == ("So. ", False)
+    assert settled_text("So. Then", stops, last=False) == ("So. Then", False)
+    assert settled_text("x = {1}\nThe end", stops, last=False) == ("x = {1", True)  # cut at the first
+    assert settled_text("caf\ufffd", (), last=False) == ("caf", False)  # a character not yet whole
+    assert settled_text("caf\ufffd", (), last=True) == ("caf\ufffd", False)
+    text, sent = "ab}c}\nd", ""
+    for end in range(len(text) + 1):  # token by token: what is settled only grows, and ends as the reply's cut
+        settled, stopped = settled_text(text[:end], stops, last=end == len(text))
+        assert settled.startswith(sent)
+        sent = settled
+    assert (sent, stopped) == ("ab}c", True)
+
+
 def test_server_binds_loopback_by_default():
     from lm_human_preference_details.grpo.serving.server import Args
 

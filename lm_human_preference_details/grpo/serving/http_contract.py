@@ -2,8 +2,8 @@
 servers, `server.py` (the home-made engine) and `vllm_server.py` (vLLM): the routes, the /health long-poll, the
 weight version a server announces, and the error middleware. A request's checks are `request_checks`', the replies
 and their server-sent events `replies`', the control token, rendezvous and update checks `control`'s. A server
-subclasses `ContractServer` and supplies its engine's part: `prepare` and `generate` a completion, `join_group`,
-`start_update`, `load`, `metrics`, `weights_digest`.
+subclasses `ContractServer` and supplies its engine's part: `prepare`, `generate` and `stream` a completion,
+`join_group`, `start_update`, `load`, `metrics`, `weights_digest`.
 
 The standard library, aiohttp and `grpo.protocol` only: the vLLM environment has none of the project's other
 dependencies.
@@ -12,11 +12,11 @@ dependencies.
 import abc
 import asyncio
 import contextlib
-import http
 import logging
 import os
 import socket
 import time
+from collections.abc import AsyncIterator
 
 from aiohttp import web
 
@@ -29,11 +29,13 @@ from lm_human_preference_details.grpo.serving.control import (
     UpdateRequest,
 )
 from lm_human_preference_details.grpo.serving.replies import (
+    ChoiceStream,
     Sample,
     chat_choices,
     completion_choices,
+    error_body,
     reply_body,
-    send_events,
+    send_stream,
 )
 from lm_human_preference_details.grpo.serving.request_checks import (
     MAX_TOP_LOGPROBS,
@@ -47,6 +49,7 @@ from lm_human_preference_details.grpo.serving.request_checks import (
     read_field,
     sampling_of,
     wants_stream,
+    wants_usage,
 )
 
 log = logging.getLogger("grpo.server")
@@ -99,6 +102,12 @@ class ContractServer(abc.ABC):
     @abc.abstractmethod
     async def generate(self, prepared: list, sampling: Sampling) -> list[Sample]:
         """`sampling.n` samples of each prepared prompt, prompt-major."""
+
+    @abc.abstractmethod
+    def stream(self, prepared: list, sampling: Sampling) -> AsyncIterator[list[tuple[int, Sample]]]:
+        """`generate`'s samples as the engine decodes them: per engine step, (choice index, delta) for each choice
+        with new tokens (a `Sample` of those tokens: finish reason "" until the choice's last delta), until every
+        choice has had its last. Closing it early (the client went away) stops the sequences left."""
 
     @abc.abstractmethod
     async def join_group(self, init_method: str, rank: int, world_size: int, backend: str, timeout_s: float) -> None:
@@ -198,11 +207,11 @@ class ContractServer(abc.ABC):
             f"an integer in [0, {MAX_TOP_LOGPROBS['completions']}] (the most likely tokens to list at each position)",
         )
         sampling = sampling_of(body, self.model_name, self.tokenizer.eos_token_id, len(prompts_ids), top)
-        choices = completion_choices(self.tokenizer, await self._sample(prompts_ids, sampling), sampling)
-        reply = reply_body("text_completion", self.model_name, prompts_ids, batched, choices)
-        if not wants_stream(body):
-            return web.json_response(reply)
-        return await send_events(request, reply, choices, body)
+        prepared = self._prepare(prompts_ids, sampling)
+        if wants_stream(body):
+            return await self._stream(request, body, "text_completion", prompts_ids, batched, prepared, sampling)
+        choices = completion_choices(self.tokenizer, await self.generate(prepared, sampling), sampling)
+        return web.json_response(reply_body("text_completion", self.model_name, prompts_ids, batched, choices))
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await json_body(request)
@@ -218,26 +227,49 @@ class ContractServer(abc.ABC):
             f"an integer in [0, {MAX_TOP_LOGPROBS['chat']}]",
         )
         sampling = sampling_of(body, self.model_name, self.tokenizer.eos_token_id, 1, top)
-        choices = chat_choices(self.tokenizer, await self._sample([ids], sampling), sampling)
-        reply = reply_body("chat.completion", self.model_name, [ids], False, choices)
-        if not wants_stream(body):
-            return web.json_response(reply)
-        # a streamed choice carries its message as a `delta`
-        deltas = [{**{k: v for k, v in c.items() if k != "message"}, "delta": c["message"]} for c in choices]
-        return await send_events(request, {**reply, "object": "chat.completion.chunk"}, deltas, body)
+        prepared = self._prepare([ids], sampling)
+        if wants_stream(body):
+            return await self._stream(request, body, "chat.completion.chunk", [ids], False, prepared, sampling)
+        choices = chat_choices(self.tokenizer, await self.generate(prepared, sampling), sampling)
+        return web.json_response(reply_body("chat.completion", self.model_name, [ids], False, choices))
 
-    async def _sample(self, prompts_ids: list[list[int]], sampling: Sampling) -> list[Sample]:
-        """`n` samples of each prompt, prompt-major."""
+    def _prepare(self, prompts_ids: list[list[int]], sampling: Sampling) -> list:
+        """Each prompt checked and prepared for the engine, all before any is queued (and a stream's status sent)."""
         if self.stale:
             raise web.HTTPServiceUnavailable(reason=self.stale)
         prepared = []
-        for i, ids in enumerate(prompts_ids):  # every prompt is checked before any is queued
+        for i, ids in enumerate(prompts_ids):
             try:
                 prepared.append(self.prepare(ids, sampling))
             except ValueError as error:
                 raise BadRequest(f"prompt {i}: {error}" if len(prompts_ids) > 1 else str(error)) from None
         self.requests += 1
-        return await self.generate(prepared, sampling)
+        return prepared
+
+    async def _stream(
+        self,
+        request: web.Request,
+        body: dict,
+        kind: str,
+        prompts_ids,
+        batched: bool,
+        prepared: list,
+        sampling: Sampling,
+    ) -> web.StreamResponse:
+        """The reply as chunks while the engine decodes (`send_stream`), `kind` `text_completion` or
+        `chat.completion.chunk`."""
+        chat = kind == "chat.completion.chunk"
+        deltas = self.stream(prepared, sampling)
+        return await send_stream(
+            request,
+            kind,
+            self.model_name,
+            prompts_ids,
+            batched,
+            deltas,
+            lambda: ChoiceStream(self.tokenizer, sampling, chat),
+            wants_usage(body),
+        )
 
     async def _models(self, request: web.Request) -> web.Response:
         """The one model this server serves, as OpenAI lists models."""
@@ -337,9 +369,30 @@ async def _errors_as_json(request: web.Request, handler):
 
 
 def _error_reply(message: str, status: int) -> web.Response:
-    """OpenAI's error body, whose `message` the SDK puts in the exception it raises."""
-    kind = http.HTTPStatus(status).phrase.lower().replace(" ", "_")
-    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+    return web.json_response(error_body(message, status), status=status)
+
+
+async def queued_deltas(
+    steps: asyncio.Queue, ended: asyncio.Future, choices: int
+) -> AsyncIterator[list[tuple[int, Sample]]]:
+    """A `ContractServer.stream` from an engine's queue: each step's deltas that the engine puts in `steps`, until
+    each of the `choices` has had its last; raises what `ended` fails with (it is done once the engine is done with
+    the request: after its last put)."""
+    unfinished = choices
+    while unfinished:
+        next_step = asyncio.ensure_future(steps.get())
+        try:
+            await asyncio.wait({next_step, ended}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            next_step.cancel()  # a no-op once done
+        if not next_step.done() or next_step.cancelled():
+            ended.result()  # the engine's failure
+            if steps.empty():
+                raise RuntimeError(f"the engine ended {unfinished} of {choices} choices without their last tokens")
+            continue
+        step = next_step.result()
+        unfinished -= sum(bool(delta.finish_reason) for _, delta in step)
+        yield step
 
 
 def listen(host: str, port: int, port_file: str = "") -> tuple[socket.socket, str]:

@@ -1,13 +1,17 @@
 """The replies of the GRPO pipeline contract's completions (`http_contract`): each choice's text, token ids, logprobs
 and weight versions, in OpenAI's completion and chat forms, the usage, and the server-sent events of a streamed
-reply; stop strings.
+reply (a chunk per choice and engine step); stop strings, and the text a stream holds back for them.
 
 The standard library, aiohttp and `grpo.protocol` only: it imports in the vLLM environment.
 """
 
+import collections
+import contextlib
+import http
 import json
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -23,9 +27,10 @@ class Sample:
     logprobs: list[float]
     """of each sampled token, at the sampling temperature"""
     versions: list[int]
-    """the weight version that sampled each token"""
+    """the weight version that sampled each token; in a stream's delta, those the engine labelled since the choice's
+    previous delta (vLLM labels all of a choice's tokens at its last)"""
     finish_reason: str
-    """`stop` or `length`"""
+    """`stop` or `length`; in a stream's delta (`ContractServer.stream`), "" until the choice's last"""
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     """per token, the `Sampling.top_logprobs` most likely (token id, logprob), when asked for"""
 
@@ -49,25 +54,27 @@ def cut_at_stop(text: str, stops: tuple[str, ...]) -> str:
     return text[: min(ends)] if ends else text
 
 
+def settled_text(text: str, stops: tuple[str, ...], last: bool) -> tuple[str, bool]:
+    """The part of a sequence's text so far that no later token can change, and whether a stop string ended it: cut
+    before the first stop string; else, unless the text is the `last`, without a character still incomplete at its
+    end (decoded as U+FFFD) and without its longest end that begins a stop string (a later token may complete it
+    into one). A stream sends only settled text: what it sent is never taken back."""
+    cut = cut_at_stop(text, stops)
+    if len(cut) < len(text) or last:
+        return cut, len(cut) < len(text)
+    text = text.rstrip("\ufffd")
+    held = max((n for s in stops for n in range(1, min(len(s), len(text) + 1)) if text.endswith(s[:n])), default=0)
+    return text[: len(text) - held], False
+
+
 def completion_choices(tokenizer, samples: list[Sample], sampling: Sampling) -> list[dict]:
     """/v1/completions' choices: text, token ids, logprobs with each token's vocabulary entry, versions."""
     choices = []
     for i, s in enumerate(samples):
         text, finish_reason = _text(tokenizer, s, sampling)
-        logprobs = {"tokens": _pieces(tokenizer, s.token_ids), "token_logprobs": s.logprobs}
-        if sampling.top_logprobs:
-            logprobs["top_logprobs"] = [
-                dict(zip(_pieces(tokenizer, [t for t, _ in k]), [lp for _, lp in k])) for k in s.top_logprobs
-            ]
+        tokens = _completion_tokens(tokenizer, s, sampling)
         choices.append(
-            {
-                "index": i,
-                "text": text,
-                "token_ids": s.token_ids,
-                "logprobs": logprobs,
-                "model_versions": s.versions,
-                "finish_reason": finish_reason,
-            }
+            {"index": i, "text": text, **tokens, "model_versions": s.versions, "finish_reason": finish_reason}
         )
     return choices
 
@@ -77,41 +84,56 @@ def chat_choices(tokenizer, samples: list[Sample], sampling: Sampling) -> list[d
     choices = []
     for i, s in enumerate(samples):
         text, finish_reason = _text(tokenizer, s, sampling)
-        content = [{"token": t, "logprob": lp} for t, lp in zip(_pieces(tokenizer, s.token_ids), s.logprobs)]
-        for entry, k in zip(content, s.top_logprobs if sampling.top_logprobs else []):
-            entry["top_logprobs"] = [
-                {"token": t, "logprob": lp} for t, (_, lp) in zip(_pieces(tokenizer, [t for t, _ in k]), k)
-            ]
+        message = {"role": "assistant", "content": text}
+        tokens = _chat_tokens(tokenizer, s, sampling)
         choices.append(
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": text},
-                "token_ids": s.token_ids,
-                "logprobs": {"content": content},
-                "model_versions": s.versions,
-                "finish_reason": finish_reason,
-            }
+            {"index": i, "message": message, **tokens, "model_versions": s.versions, "finish_reason": finish_reason}
         )
     return choices
+
+
+def _completion_tokens(tokenizer, sample: Sample, sampling: Sampling) -> dict:
+    """A completion choice's (or chunk's) token ids, and their logprobs with each token's vocabulary entry."""
+    logprobs = {"tokens": _pieces(tokenizer, sample.token_ids), "token_logprobs": sample.logprobs}
+    if sampling.top_logprobs:
+        logprobs["top_logprobs"] = [
+            dict(zip(_pieces(tokenizer, [t for t, _ in k]), [lp for _, lp in k])) for k in sample.top_logprobs
+        ]
+    return {"token_ids": sample.token_ids, "logprobs": logprobs}
+
+
+def _chat_tokens(tokenizer, sample: Sample, sampling: Sampling) -> dict:
+    """A chat choice's (or chunk's) token ids, and their logprobs as chat content."""
+    content = [{"token": t, "logprob": lp} for t, lp in zip(_pieces(tokenizer, sample.token_ids), sample.logprobs)]
+    for entry, k in zip(content, sample.top_logprobs if sampling.top_logprobs else []):
+        entry["top_logprobs"] = [
+            {"token": t, "logprob": lp} for t, (_, lp) in zip(_pieces(tokenizer, [t for t, _ in k]), k)
+        ]
+    return {"token_ids": sample.token_ids, "logprobs": {"content": content}}
 
 
 def reply_body(kind: str, model_name: str, prompts_ids: list[list[int]], batched: bool, choices: list[dict]) -> dict:
     """A completion reply of OpenAI's `kind` (`text_completion`, `chat.completion`), with the prompts' token ids
     (one list per prompt when `batched`) and the usage."""
     completion_tokens = sum(len(c["token_ids"]) for c in choices)
-    prompt_tokens = sum(len(p) for p in prompts_ids)
     return {
-        "id": f"cmpl-{uuid.uuid4().hex}",
-        "object": kind,
-        "created": int(time.time()),
-        "model": model_name,
+        **_head(kind, model_name),
         "prompt_token_ids": prompts_ids if batched else prompts_ids[0],
         "choices": choices,
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        },
+        "usage": _usage(prompts_ids, completion_tokens),
+    }
+
+
+def _head(kind: str, model_name: str) -> dict:
+    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()), "model": model_name}
+
+
+def _usage(prompts_ids: list[list[int]], completion_tokens: int) -> dict:
+    prompt_tokens = sum(len(p) for p in prompts_ids)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
     }
 
 
@@ -127,20 +149,97 @@ def _pieces(tokenizer, token_ids: list[int]) -> list[str]:
     return tokenizer.convert_ids_to_tokens(token_ids)
 
 
-async def send_events(request: web.Request, reply: dict, choices: list[dict], body: dict) -> web.StreamResponse:
-    """`reply` as server-sent events, the form the OpenAI SDK reads with `stream=True`: one chunk per choice (the
-    engines hand back whole sequences: the chunks come once they are done), then the usage when
-    `stream_options.include_usage` asks for it, then `[DONE]`."""
+class ChoiceStream:
+    """One choice of a streamed reply: the chunk of each of its deltas, in the completion or the `chat` form. A chunk
+    has its delta's tokens and their logprobs, and the text they settle (`settled_text`, the choice's whole text
+    decoded again: the chunks' texts add up to the unstreamed reply's); its last chunk has the finish reason and the
+    weight version of every token of the choice (vLLM labels them only then)."""
+
+    def __init__(self, tokenizer, sampling: Sampling, chat: bool):
+        self.tokenizer, self.sampling, self.chat = tokenizer, sampling, chat
+        self.token_ids: list[int] = []
+        self.versions: list[int] = []
+        self.sent = ""
+        self.stopped = False
+
+    def chunk(self, index: int, delta: Sample) -> dict:
+        first = not self.token_ids
+        text, finish_reason = self._add(delta)
+        if self.chat:  # OpenAI's first chunk of a choice names the role
+            content = {"role": "assistant", "content": text} if first else {"content": text}
+            chunk = {"index": index, "delta": content, **_chat_tokens(self.tokenizer, delta, self.sampling)}
+        else:
+            chunk = {"index": index, "text": text, **_completion_tokens(self.tokenizer, delta, self.sampling)}
+        chunk["finish_reason"] = finish_reason
+        if finish_reason:
+            chunk["model_versions"] = self.versions
+        return chunk
+
+    def _add(self, delta: Sample) -> tuple[str, str | None]:
+        """The text that `delta`'s tokens settle, and the choice's finish reason if `delta` is its last."""
+        self.token_ids += delta.token_ids
+        self.versions += delta.versions
+        new = ""
+        if not self.stopped:  # after a stop string, the tokens sampled with it add no text
+            text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+            settled, self.stopped = settled_text(text, self.sampling.stop, last=bool(delta.finish_reason))
+            if settled.startswith(self.sent):  # else the tokenizer decodes the start anew: sent is sent
+                new, self.sent = settled[len(self.sent) :], settled
+        if not delta.finish_reason:
+            return new, None
+        if len(self.versions) != len(self.token_ids):
+            raise RuntimeError(f"{len(self.versions)} weight versions for {len(self.token_ids)} tokens")
+        return new, "stop" if self.stopped else delta.finish_reason
+
+
+async def send_stream(
+    request: web.Request,
+    kind: str,
+    model_name: str,
+    prompts_ids: list[list[int]],
+    batched: bool,
+    deltas: AsyncIterator[list[tuple[int, Sample]]],
+    new_choice: Callable[[], ChoiceStream],
+    include_usage: bool,
+) -> web.StreamResponse:
+    """`deltas` (`ContractServer.stream`) as server-sent events of OpenAI's `kind` (`text_completion`,
+    `chat.completion.chunk`), the form the OpenAI SDK reads with `stream=True`: per engine step a chunk for each
+    choice with new tokens (the choices interleave, each chunk names its index; the first chunk has the reply's
+    `prompt_token_ids`), then with `include_usage` a chunk of the usage and no choice (the others' `usage` is null,
+    as OpenAI's), then `[DONE]`. The status is sent before the first token: a failure after it is an error event,
+    which the SDK raises. Closes `deltas` when done or when the client goes away (the engine drops its sequences)."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
-    head = {k: v for k, v in reply.items() if k not in ("choices", "usage")}
-    for choice in choices:
-        await response.write(_event({**head, "choices": [choice]}))
-    if body.get("stream_options", {}).get("include_usage"):
-        await response.write(_event({**head, "choices": [], "usage": reply["usage"]}))
+    head = {**_head(kind, model_name), **({"usage": None} if include_usage else {})}
+    first = {"prompt_token_ids": prompts_ids if batched else prompts_ids[0]}
+    choices: dict[int, ChoiceStream] = collections.defaultdict(new_choice)
+    try:
+        async with contextlib.aclosing(deltas):
+            async for step in deltas:
+                events = []
+                for index, delta in step:
+                    events.append(_event({**head, **first, "choices": [choices[index].chunk(index, delta)]}))
+                    first = {}
+                await response.write(b"".join(events))  # one write per step, not per choice
+    except ConnectionError:  # the client went away: nobody to tell
+        raise
+    except Exception as error:
+        status = error.status if isinstance(error, web.HTTPException) else 500
+        message = error.reason if isinstance(error, web.HTTPException) else f"{type(error).__name__}: {error}"
+        await response.write(_event(error_body(message, status)))
+    else:
+        if include_usage:
+            completion_tokens = sum(len(c.token_ids) for c in choices.values())
+            await response.write(_event({**head, "choices": [], "usage": _usage(prompts_ids, completion_tokens)}))
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response
+
+
+def error_body(message: str, status: int) -> dict:
+    """OpenAI's error body, whose `message` the SDK puts in the exception it raises."""
+    kind = http.HTTPStatus(status).phrase.lower().replace(" ", "_")
+    return {"error": {"message": message, "type": kind, "code": status}}
 
 
 def _event(data: dict) -> bytes:

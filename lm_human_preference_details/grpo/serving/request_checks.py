@@ -206,6 +206,11 @@ def wants_stream(body: dict) -> bool:
     return body.get("stream") is True
 
 
+def wants_usage(body: dict) -> bool:
+    """A streamed reply ends with a chunk of the usage (checked by `sampling_of`)."""
+    return body.get("stream_options", {}).get("include_usage") is True
+
+
 async def json_body(request: web.Request) -> dict:
     """The request's body: a JSON object of valid Unicode, else BadRequest."""
     try:

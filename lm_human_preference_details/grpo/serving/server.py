@@ -11,7 +11,9 @@ Endpoints (docs/DESIGN.md, "The GRPO pipeline contract"; its constants and types
 - `POST /v1/chat/completions` {messages: [{role, content}], ...same sampling fields, top_logprobs}
   Both return per choice the token ids, per-token logprobs (at the sampling temperature) and
   `model_versions`, the weight version that sampled each token; the fields they take, and the 400 for any
-  other, are `request_checks`' (the OpenAI SDK works against them). `GET /v1/models` lists the model.
+  other, are `request_checks`' (the OpenAI SDK works against them). With `stream: true` the engine hands each
+  request its new tokens after every decode step and they go out as chunks (`replies.send_stream`).
+  `GET /v1/models` lists the model.
 - `POST /init_process_group` {init_method, rank, world_size, backend, timeout_s}: join the trainer's group
   (with the control token, `--token-file` or $GRPO_SERVER_TOKEN, when the server has one).
 - `POST /request_weight_update` {version, parameters: [{name, shape, dtype}], bucket_bytes}: checked
@@ -49,7 +51,13 @@ from lm_human_preference_details.grpo.lifetime import exit_now, exit_with_parent
 from lm_human_preference_details.grpo.protocol import ParameterSpec, ServerDtype, WeightStaging
 from lm_human_preference_details.grpo.serving.control import LOOPBACK_ACCESS, ControlAccess, RendezvousTimeout
 from lm_human_preference_details.grpo.serving.engine import Engine, Generation, GenerationRequest
-from lm_human_preference_details.grpo.serving.http_contract import RUNNER_OPTIONS, ContractServer, first_line, listen
+from lm_human_preference_details.grpo.serving.http_contract import (
+    RUNNER_OPTIONS,
+    ContractServer,
+    first_line,
+    listen,
+    queued_deltas,
+)
 from lm_human_preference_details.grpo.serving.replies import StopStrings
 from lm_human_preference_details.grpo.serving.request_checks import BadRequest, Sampling
 
@@ -112,6 +120,23 @@ class InferenceServer(ContractServer):
         except asyncio.CancelledError:  # the client went away: its sequences stop, running ones too
             self.engine.drop(futures)
             raise
+
+    async def stream(self, prepared: list[GenerationRequest], sampling: Sampling):
+        loop = asyncio.get_running_loop()
+        steps: asyncio.Queue = asyncio.Queue()
+
+        def watch(deltas: list[tuple[int, Generation]]) -> None:  # on the engine thread, once per step
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody reads on
+                loop.call_soon_threadsafe(steps.put_nowait, deltas)
+
+        futures = self.engine.submit_many([generation for generation in prepared for _ in range(sampling.n)], watch)
+        ended = asyncio.ensure_future(_all_results(futures))  # after the last step's put: `watch` comes first
+        try:
+            async for step in queued_deltas(steps, ended, len(futures)):
+                yield step
+        finally:  # finished ones are left alone; a client that went away has its sequences stopped
+            self.engine.drop(futures)
+            ended.cancel()
 
     async def join_group(self, init_method: str, rank: int, world_size: int, backend: str, timeout_s: float) -> None:
         import torch.distributed as dist

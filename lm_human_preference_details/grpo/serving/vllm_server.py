@@ -16,12 +16,14 @@ What is vLLM's and what is glue:
   `http_contract`, as for `server.py`, and given to vLLM as token ids; stop tokens are the request's
   plus EOS (kept in the output, as the home server keeps them); stop strings are vLLM's `stop`, which cuts only its
   own text (the contract decodes and cuts the reply's, as for server.py); a client that hangs up cancels its
-  handler, and so `AsyncLLM.generate`, which aborts the request.
+  handler, and so `AsyncLLM.generate`, which aborts the request. A streamed request asks for vLLM's delta outputs
+  (each has the tokens new since the last one read) and hands them on as they come.
 - the version of each token is vLLM's own: the engine core labels every step's outputs with its current weight
   version (`AsyncLLM.update_weight_version`, set only while generation is paused), and the final output of each
   sequence carries the spans `[start, end) -> version` (`CompletionOutput.weight_versions`). The label is put on in
   the engine core, on the step that sampled the tokens, so no race between the frontend's output processing and a
-  version bump can mislabel a token (a stamp taken when a streamed delta reaches the frontend could).
+  version bump can mislabel a token (a stamp taken when a streamed delta reaches the frontend could): a streamed
+  choice has its versions on its last chunk.
 - the weights arrive in vLLM's worker processes, through `worker_extension_cls` (`WeightReceiver`) and
   `collective_rpc`: each worker (one per tensor-parallel rank, `--tensor-parallel-size`) joins the trainer's group
   at rank 1 + its rank in vLLM's world (PipelineRL's offsets; /health's `weight_ranks` tells the trainer the group's
@@ -52,6 +54,7 @@ What is vLLM's and what is glue:
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import hashlib
 import logging
@@ -68,7 +71,13 @@ from aiohttp import web
 
 from lm_human_preference_details.grpo.protocol import ParameterSpec, ServerDtype, WeightStaging
 from lm_human_preference_details.grpo.serving.control import ControlAccess, RendezvousTimeout
-from lm_human_preference_details.grpo.serving.http_contract import RUNNER_OPTIONS, ContractServer, first_line, listen
+from lm_human_preference_details.grpo.serving.http_contract import (
+    RUNNER_OPTIONS,
+    ContractServer,
+    first_line,
+    listen,
+    queued_deltas,
+)
 from lm_human_preference_details.grpo.serving.replies import Sample
 from lm_human_preference_details.grpo.serving.request_checks import BadRequest, Sampling
 
@@ -325,42 +334,60 @@ class VLLMInferenceServer(ContractServer):
 
     async def generate(self, prepared: list[list[int]], sampling: Sampling) -> list[Sample]:
         params = sampling_params(sampling)
-        await self.not_updating.wait()  # sent during an update: the new version's cache salt
-        salt = f"grpo-weights-v{self.version}"
+        salt = await self._cache_salt()
         outputs = await asyncio.gather(*[self._one_prompt(ids, params, salt) for ids in prepared])
         return [sample for samples in outputs for sample in samples]
 
+    async def stream(self, prepared: list[list[int]], sampling: Sampling):
+        params = sampling_params(sampling, streamed=True)
+        salt = await self._cache_salt()
+        steps: asyncio.Queue = asyncio.Queue()
+
+        async def feed(first_choice: int, prompt_ids: list[int]) -> None:
+            lengths = collections.Counter()  # each choice's tokens so far: its last delta labels them all
+            async for output in self._outputs(prompt_ids, params, salt):
+                deltas = []
+                for completion in output.outputs:
+                    lengths[completion.index] += len(completion.token_ids)
+                    if completion.token_ids or completion.finish_reason:
+                        delta = _sample(completion, params, lengths[completion.index])
+                        deltas.append((first_choice + completion.index, delta))
+                steps.put_nowait(deltas)
+
+        # one task per prompt; cancelling one cancels its `AsyncLLM.generate`, which aborts the request
+        ended = asyncio.gather(*[feed(i * sampling.n, ids) for i, ids in enumerate(prepared)])
+        try:
+            async for step in queued_deltas(steps, ended, len(prepared) * sampling.n):
+                yield step
+        finally:
+            ended.cancel()
+
+    async def _cache_salt(self) -> str:
+        await self.not_updating.wait()  # sent during an update: the new version's cache salt
+        return f"grpo-weights-v{self.version}"
+
     async def _one_prompt(self, prompt_ids: list[int], params, salt: str) -> list[Sample]:
+        final = None
+        async for output in self._outputs(prompt_ids, params, salt):
+            final = output
+        if final is None or not final.finished:
+            raise web.HTTPServiceUnavailable(reason="the engine ended the request unfinished")
+        return [_sample(c, params, len(c.token_ids)) for c in sorted(final.outputs, key=lambda c: c.index)]
+
+    async def _outputs(self, prompt_ids: list[int], params, salt: str):
+        """`AsyncLLM.generate`'s outputs for one prompt; the engine's failures as a 503."""
         from vllm.inputs import TokensPrompt
         from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
-        final = None
         try:
             async for output in self.engine.generate(
                 TokensPrompt(prompt_token_ids=prompt_ids, cache_salt=salt), params, f"grpo-{uuid.uuid4().hex}"
             ):
-                final = output
+                yield output
         except (EngineDeadError, EngineGenerateError) as error:
             raise web.HTTPServiceUnavailable(
                 reason=f"the vLLM engine failed ({type(error).__name__}); see its log"
             ) from None
-        if final is None or not final.finished:
-            raise web.HTTPServiceUnavailable(reason="the engine ended the request unfinished")
-        samples = []
-        for completion in sorted(final.outputs, key=lambda c: c.index):
-            token_ids = list(completion.token_ids)
-            logprobs = [step[token].logprob for step, token in zip(completion.logprobs, token_ids)]
-            if completion.finish_reason not in ("stop", "length"):
-                raise web.HTTPServiceUnavailable(reason=f"the engine ended a sequence with {completion.finish_reason}")
-            versions = _versions(completion.weight_versions, len(token_ids))
-            top = [  # vLLM adds the sampled token to its top ones: by rank, the asked-for number
-                sorted(((t, lp.logprob) for t, lp in step.items() if lp.rank <= params.logprobs), key=lambda e: -e[1])
-                for step in completion.logprobs
-            ]
-            samples.append(
-                Sample(token_ids, logprobs, versions, completion.finish_reason, top if params.logprobs else [])
-            )
-        return samples
 
     # -- weights ----------------------------------------------------------------------------------------------------
 
@@ -518,8 +545,9 @@ class _ReceiveFailed(RuntimeError):
     its staged prepare failed: the serving model was not touched."""
 
 
-def sampling_params(sampling: Sampling):
-    """vLLM's SamplingParams for a request's sampling (benchmarks/vllm_generate.py's offline limit samples so too)."""
+def sampling_params(sampling: Sampling, streamed: bool = False):
+    """vLLM's SamplingParams for a request's sampling (benchmarks/vllm_generate.py's offline limit samples so too);
+    `streamed`: each output has the tokens new since the previous one."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -535,8 +563,23 @@ def sampling_params(sampling: Sampling):
         ignore_eos=True,  # EOS stops only as one of `stop` (grpo/serving/server.py's semantics)
         # the text is decoded by http_contract, as for server.py; vLLM decodes only to find stop strings
         detokenize=bool(sampling.stop),
-        output_kind=RequestOutputKind.FINAL_ONLY,
+        output_kind=RequestOutputKind.DELTA if streamed else RequestOutputKind.FINAL_ONLY,
     )
+
+
+def _sample(completion, params, length: int) -> Sample:
+    """A vLLM `CompletionOutput` (whole, or a streamed delta of its new tokens) as the contract's sample: the versions
+    of all `length` tokens of the sequence come with its last output (vLLM's spans), none before."""
+    token_ids = list(completion.token_ids)
+    logprobs = [step[token].logprob for step, token in zip(completion.logprobs, token_ids)]
+    if completion.finish_reason not in (None, "stop", "length"):
+        raise web.HTTPServiceUnavailable(reason=f"the engine ended a sequence with {completion.finish_reason}")
+    versions = _versions(completion.weight_versions, length) if completion.finish_reason else []
+    top = [  # vLLM adds the sampled token to its top ones: by rank, the asked-for number
+        sorted(((t, lp.logprob) for t, lp in step.items() if lp.rank <= params.logprobs), key=lambda e: -e[1])
+        for step in completion.logprobs
+    ]
+    return Sample(token_ids, logprobs, versions, completion.finish_reason or "", top if params.logprobs else [])
 
 
 def _versions(spans, length: int) -> list[int]:

@@ -232,6 +232,51 @@ def test_a_stream_holds_back_the_text_that_could_still_become_a_stop_string_and_
     assert (sent, stopped) == ("ab}c", True)
 
 
+def test_an_engine_failure_after_the_first_chunk_reaches_the_sdk_as_an_error(model_dir):
+    """The status went out with the first chunk: a later failure is an error event, which the OpenAI SDK raises."""
+    import asyncio
+    import threading
+
+    import openai
+    from aiohttp import web
+    from transformers import AutoTokenizer
+
+    from lm_human_preference_details.grpo.serving.http_contract import listen, queued_deltas
+    from lm_human_preference_details.grpo.serving.replies import ChoiceStream, Sample, send_stream
+    from lm_human_preference_details.grpo.serving.request_checks import Sampling
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    sampling = Sampling(max_tokens=16, temperature=1.0, stop_token_ids=frozenset(), n=1)
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        steps, ended = asyncio.Queue(), asyncio.get_running_loop().create_future()
+        ids = tokenizer("1+", add_special_tokens=False)["input_ids"]
+        steps.put_nowait([(0, Sample(ids, [-0.5] * len(ids), [], ""))])
+        ended.set_exception(RuntimeError("the engine broke"))  # after its first step
+        deltas = queued_deltas(steps, ended, choices=1)
+        new_choice = lambda: ChoiceStream(tokenizer, sampling, chat=False)  # noqa: E731
+        return await send_stream(request, "text_completion", "m", [[1, 2]], False, deltas, new_choice, True)
+
+    app = web.Application()
+    app.add_routes([web.post("/v1/completions", completions)])
+    listening, url = listen("127.0.0.1", 0)
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.SockSite(runner, listening).start())
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        received = []
+        with pytest.raises(openai.APIError, match="RuntimeError: the engine broke"):
+            for chunk in client.completions.create(model="m", prompt="1", max_tokens=16, stream=True):
+                received.append(chunk.choices[0].text)
+        assert received == ["1+"]
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=30)
+        loop.call_soon_threadsafe(loop.stop)
+
+
 def test_server_binds_loopback_by_default():
     from lm_human_preference_details.grpo.serving.server import Args
 

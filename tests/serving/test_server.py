@@ -232,6 +232,33 @@ def test_a_stream_holds_back_the_text_that_could_still_become_a_stop_string_and_
     assert (sent, stopped) == ("ab}c", True)
 
 
+def test_streamed_chunks_add_up_to_the_unstreamed_text_of_random_byte_level_tokens():
+    """Random tokens of a byte-level BPE (pieces of characters, leading spaces), streamed one per chunk and decoded
+    a few at a time: their texts add up to the unstreamed reply's, cut at the same stop string."""
+    import random
+
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from lm_human_preference_details.grpo.serving.replies import ChoiceStream, Sample, completion_choices
+    from lm_human_preference_details.grpo.serving.request_checks import Sampling
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(
+        ["Hello, world! The answer is 46.\n\n\U0001f600 \u4e2d\u6587 \xfcn\xefc\xf6d\xe9  x"] * 20, 300
+    )
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer)
+    rng = random.Random(0)
+    for trial in range(100):
+        ids = [rng.randrange(len(tokenizer)) for _ in range(40)]
+        sampling = Sampling(40, 1.0, frozenset(), 1, ("\n\n", " is", "\U0001f600") if trial % 2 else ())
+        choice = ChoiceStream(tokenizer, sampling, chat=False)
+        chunks = [choice.chunk(0, Sample([t], [0.0], [0], "length" if i == 39 else "")) for i, t in enumerate(ids)]
+        whole = completion_choices(tokenizer, [Sample(ids, [0.0] * 40, [0] * 40, "length")], sampling)[0]
+        assert "".join(c["text"] for c in chunks) == whole["text"], trial
+        assert chunks[-1]["finish_reason"] == whole["finish_reason"]
+
+
 def test_an_engine_failure_after_the_first_chunk_reaches_the_sdk_as_an_error(model_dir):
     """The status went out with the first chunk: a later failure is an error event, which the OpenAI SDK raises."""
     import asyncio

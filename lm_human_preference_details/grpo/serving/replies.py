@@ -151,14 +151,17 @@ def _pieces(tokenizer, token_ids: list[int]) -> list[str]:
 
 class ChoiceStream:
     """One choice of a streamed reply: the chunk of each of its deltas, in the completion or the `chat` form. A chunk
-    has its delta's tokens and their logprobs, and the text they settle (`settled_text`, the choice's whole text
-    decoded again: the chunks' texts add up to the unstreamed reply's); its last chunk has the finish reason and the
-    weight version of every token of the choice (vLLM labels them only then)."""
+    has its delta's tokens and their logprobs, and the text they settle (`settled_text`); its last chunk has the
+    finish reason and the weight version of every token of the choice (vLLM labels them only then). The text is
+    decoded a few tokens at a time (`_decoded`), and once whole as the unstreamed reply's, whose rest the last chunk
+    sends: the chunks' texts add up to the unstreamed text."""
 
     def __init__(self, tokenizer, sampling: Sampling, chat: bool):
         self.tokenizer, self.sampling, self.chat = tokenizer, sampling, chat
         self.token_ids: list[int] = []
         self.versions: list[int] = []
+        self.text = ""  # of the tokens before `read`
+        self.prefix = self.read = 0
         self.sent = ""
         self.stopped = False
 
@@ -181,7 +184,10 @@ class ChoiceStream:
         self.versions += delta.versions
         new = ""
         if not self.stopped:  # after a stop string, the tokens sampled with it add no text
-            text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+            if delta.finish_reason:  # the unstreamed reply's text, decoded whole
+                text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+            else:
+                text = self._decoded()
             settled, self.stopped = settled_text(text, self.sampling.stop, last=bool(delta.finish_reason))
             if settled.startswith(self.sent):  # else the tokenizer decodes the start anew: sent is sent
                 new, self.sent = settled[len(self.sent) :], settled
@@ -190,6 +196,17 @@ class ChoiceStream:
         if len(self.versions) != len(self.token_ids):
             raise RuntimeError(f"{len(self.versions)} weight versions for {len(self.token_ids)} tokens")
         return new, "stop" if self.stopped else delta.finish_reason
+
+    def _decoded(self) -> str:
+        """The choice's text so far, decoded incrementally as vLLM's `detokenize_incrementally` and TGI stream text:
+        the tokens past `read` with those from `prefix` before them (a token's text may depend on the one before
+        it), taken once they end in a whole character; each step decodes a few tokens, not the whole choice."""
+        before = self.tokenizer.decode(self.token_ids[self.prefix : self.read], skip_special_tokens=True)
+        after = self.tokenizer.decode(self.token_ids[self.prefix :], skip_special_tokens=True)
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before) :]
+            self.prefix, self.read = self.read, len(self.token_ids)
+        return self.text
 
 
 async def send_stream(

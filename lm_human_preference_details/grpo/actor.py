@@ -210,11 +210,14 @@ class Actor:
 
     async def _evaluate(self, session, step: int) -> Evaluation:
         """`eval_samples` completions of each evaluation problem, scored, in requests of at most a training
-        request's samples (one problem per request with `--chat`)."""
+        request's samples (one problem per request with `--chat`), all sent at once past `max_in_flight`: rationed
+        with the training requests, an evaluation spanned several weight versions."""
         started, samples = time.monotonic(), self.args.evaluation.eval_samples
         per_request = max(1, min(self.args.request_problems() * self.args.sampling.group_size, MAX_CHOICES) // samples)
         requests = [self.evaluated[i : i + per_request] for i in range(0, len(self.evaluated), per_request)]
-        answered = await asyncio.gather(*(self._complete(session, problems, samples) for problems in requests))
+        answered = await asyncio.gather(
+            *(self._complete(session, problems, samples, capped=False) for problems in requests)
+        )
         problems, versions = [], []
         for problem, (_, choices) in zip(self.evaluated, (one for request in answered for one in request)):
             texts = [_text(choice) for choice in choices]
@@ -238,9 +241,11 @@ class Actor:
             problems=problems,
         )
 
-    async def _complete(self, session, problems: list[Problem], n: int) -> list[tuple[list[int], list[dict]]]:
+    async def _complete(
+        self, session, problems: list[Problem], n: int, capped: bool = True
+    ) -> list[tuple[list[int], list[dict]]]:
         """`n` attempts at each problem: (prompt token ids, its choices) per problem. One completion request for all
-        of them (a list of prompts), or one chat request per problem."""
+        of them (a list of prompts), or one chat request per problem; `capped`: within `max_in_flight`."""
         sampling = {
             "max_tokens": self.args.sampling.max_tokens,
             "temperature": self.args.sampling.temperature,
@@ -254,18 +259,21 @@ class Actor:
                         session,
                         "/v1/chat/completions",
                         {"messages": self.args.task.chat_messages(p.prompt), **sampling},
+                        capped,
                     )
                     for p in problems
                 )
             )
             return [(body["prompt_token_ids"], body["choices"]) for body in bodies]
-        body = await self._request(session, "/v1/completions", {"prompt": [p.prompt for p in problems], **sampling})
+        payload = {"prompt": [p.prompt for p in problems], **sampling}
+        body = await self._request(session, "/v1/completions", payload, capped)
         return [(ids, body["choices"][i * n : (i + 1) * n]) for i, ids in enumerate(body["prompt_token_ids"])]
 
-    async def _request(self, session, endpoint: str, payload: dict) -> dict:
-        """POST to the least busy usable server; sent again to another server when one fails."""
+    async def _request(self, session, endpoint: str, payload: dict, capped: bool = True) -> dict:
+        """POST to the least busy usable server (`capped`: one with fewer than `max_in_flight` requests); sent again
+        to another server when one fails."""
         for attempt in range(MAX_ATTEMPTS_PER_REQUEST):
-            server = await self._acquire_server()
+            server = await self._acquire_server(capped)
             try:
                 async with session.post(server.url + endpoint, json=payload) as response:
                     if response.status < 500:
@@ -283,14 +291,15 @@ class Actor:
             log.warning("request to %s failed (%s): retrying elsewhere (%d)", server.url, reason, attempt + 1)
         raise ActorError(f"a completion failed {MAX_ATTEMPTS_PER_REQUEST} times; last error: {reason}")
 
-    async def _acquire_server(self) -> ServerState:
-        """The least busy usable server with a free slot, once there is one; an ActorError when no server has been
-        usable for `request_timeout_s` (all down, or left behind by the newest weights: nothing would come)."""
+    async def _acquire_server(self, capped: bool = True) -> ServerState:
+        """The least busy usable server with a free slot (`capped`; else any), once there is one; an ActorError when
+        no server has been usable for `request_timeout_s` (all down, or left behind by the newest weights: nothing
+        would come)."""
         last_usable, timeout_s = time.monotonic(), self.args.serving.request_timeout_s
         async with self._changed:
             while True:
                 usable = [s for s in self.servers if self.usable(s)]
-                free = [s for s in usable if s.in_flight < self.args.serving.max_in_flight]
+                free = [s for s in usable if s.in_flight < self.args.serving.max_in_flight or not capped]
                 if free:
                     server = min(free, key=lambda s: s.in_flight)
                     server.in_flight += 1

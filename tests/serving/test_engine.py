@@ -375,3 +375,22 @@ def test_the_actor_fails_when_no_server_has_been_usable_for_the_request_timeout(
     assert time.monotonic() - start < 5
     actor.servers[1].version = 8  # caught up: it is used
     assert asyncio.run(acquire()) is actor.servers[1]
+
+
+def test_an_evaluation_request_goes_out_past_the_in_flight_cap():
+    """Training requests wait for a free slot; an evaluation's go out at once, so that its tokens come from as few
+    weight versions as the server's queue allows."""
+    import asyncio
+
+    from lm_human_preference_details.grpo.actor import Actor
+
+    actor = Actor(grpo_args(max_in_flight=2, request_timeout_s=0.5), ["http://127.0.0.1:1"], problems=[])
+    actor.servers[0].in_flight = 2  # full
+
+    async def acquire(capped: bool):
+        actor._changed = asyncio.Condition()
+        return await asyncio.wait_for(actor._acquire_server(capped), timeout=0.2)
+
+    with pytest.raises(asyncio.TimeoutError):
+        asyncio.run(acquire(capped=True))
+    assert asyncio.run(acquire(capped=False)) is actor.servers[0] and actor.servers[0].in_flight == 3

@@ -202,6 +202,12 @@ class Actor:
             for step in self.schedule.evaluations(self.args.evaluation.eval_every, start):
                 async with self._changed:
                     await self._changed.wait_for(lambda: self.weight_version() >= step)  # noqa: B023 (awaited here)
+                log.info(
+                    "evaluating step %d: %d problems x %d samples",
+                    step,
+                    len(self.evaluated),
+                    self.args.evaluation.eval_samples,
+                )
                 evaluation = await self._evaluate(session, step)
                 writer.write(evaluation)
                 log.info("evaluated step %d in %.1f s", step, evaluation.seconds)

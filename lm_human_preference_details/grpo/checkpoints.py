@@ -10,8 +10,10 @@ import os
 
 import torch
 
-from lm_human_preference_details import checkpoint, cli, sharding
+from lm_human_preference_details import checkpoint, cli, sharding, tracking
 from lm_human_preference_details.grpo.config import EvalArgs, GRPOArgs
+from lm_human_preference_details.grpo.records import Evaluation
+from lm_human_preference_details.grpo.streams import read_all
 from lm_human_preference_details.grpo.world import PlacementArgs
 
 MAY_CHANGE_ON_RESUME = {
@@ -73,6 +75,22 @@ def checkpoint_state(args: GRPOArgs) -> dict:
     checkpoint.check_weights(checkpoint_model(args.output_dir), checkpoint.damaged(folder))
     checkpoint.check_same_settings(state.get("settings"), args.flag_values(), MAY_CHANGE_ON_RESUME, folder)
     return state
+
+
+def evaluations_logged(output_dir: str, version: int) -> int:
+    """How many of the evaluation stream's records a run resumed at `version` has logged: those its metrics.jsonl
+    holds at steps up to the checkpoint's (a resumed tracker sets the later lines aside). Its trainer reads on from
+    there."""
+    path = os.path.join(output_dir, "metrics.jsonl")
+    rows = tracking.read_metrics(path) if os.path.exists(path) else []
+    return sum("eval/step" in row and row["step"] <= version for row in rows)
+
+
+def evaluations_kept(args: GRPOArgs, version: int) -> int:
+    """How many of the evaluation stream's records a run resumed at `version` keeps: those of earlier weights,
+    logged or not (one that came after the checkpoint is logged by the resumed trainer); those of its own weights
+    and later the resumed actor evaluates again."""
+    return sum(evaluation.step < version for evaluation in read_all(args.eval_stream_url(), Evaluation.from_json))
 
 
 def checkpoint_model(output_dir: str) -> str:

@@ -526,6 +526,12 @@ class GRPOArgs(RunArgs):
                 f"--eval-samples must be between 1 and {MAX_CHOICES} (samples per problem, the k of pass@k, sent in "
                 f"one request), got {evaluation.eval_samples}"
             )
+        if self.schedule.mode == "sync" and evaluation.eval_every % self.schedule.sync_steps:
+            raise UserError(
+                f"--eval-every {evaluation.eval_every}: in sync mode the servers get new weights every --sync-steps "
+                f"{self.schedule.sync_steps} steps, so only their multiples can be evaluated; pass a multiple of "
+                f"{self.schedule.sync_steps}"
+            )
         if evaluation.eval_every:
             eval_problems(self)  # none held out, or no such file: refused before anything starts
 

@@ -463,9 +463,10 @@ def start_of_run(args: GRPOArgs, plan: nodes.NodePlan, engine, meeting) -> rende
         # the checkpoint holds the settings its trainer ran with: the map's counts of its processes
         state = checkpoints.checkpoint_state(nodes.role_args(args, plan, plan.address))
         model = checkpoints.checkpoint_model(args.output_dir)
+        evaluations = checkpoints.evaluations_kept(args, state["version"])
     else:
         tracking.refuse_to_overwrite(args.output_dir, resumable=True)  # before the stream is emptied or anything starts
-        state, model = {"version": 0, "stream_position": 0}, args.task.model
+        state, model, evaluations = {"version": 0, "stream_position": 0}, args.task.model, 0
     version = state["version"]
     if engine is not None:
         engine.model_for_servers(model)  # before anything starts: a model the engine cannot serve is refused
@@ -478,7 +479,7 @@ def start_of_run(args: GRPOArgs, plan: nodes.NodePlan, engine, meeting) -> rende
     dropped = streams.truncate(args.stream_url(), state["stream_position"])
     if dropped:
         log.info("starting at step %d: %d groups of the stream dropped", version, dropped)
-    streams.truncate(args.eval_stream_url(), 0)  # a run's trainer logs its own actor's evaluations, from the first
+    streams.truncate(args.eval_stream_url(), evaluations)  # a new run's: none; a resumed run's: of earlier weights
     start = rendezvous.RunStart(
         version=version,
         model=model,  # each node resolves it for its engine (a preset's folder is in that node's cache)

@@ -27,7 +27,7 @@ from lm_human_preference_details.grpo import launch
 from lm_human_preference_details.grpo.config import PRESETS, GRPOArgs, get_preset
 from lm_human_preference_details.grpo.records import Evaluation
 from lm_human_preference_details.grpo.rewards import eval_problems
-from lm_human_preference_details.grpo.streams import open_reader
+from lm_human_preference_details.grpo.streams import read_all
 from lm_human_preference_details.tracking import plot_curves, read_metrics, refuse_to_overwrite
 
 PRESET = "arith-chat"
@@ -59,16 +59,6 @@ def check(args: GRPOArgs) -> None:
             "--eval-every 0: the quickstart's held-out success comes from the run's evaluations; "
             "pass --eval-every N (steps)"
         )
-
-
-def evaluations(args: GRPOArgs) -> list[Evaluation]:
-    """The run's evaluations, as the actor wrote them (completions too)."""
-    reader = open_reader(args.eval_stream_url(), Evaluation.from_json)
-    found = []
-    while batch := reader.read(64, timeout_s=0):
-        found += batch
-    reader.close()
-    return found
 
 
 def write_held_out(path: str, first: Evaluation, last: Evaluation) -> None:
@@ -126,7 +116,7 @@ def main() -> None:
 
     launch.launch(args)
 
-    first, *_, last = evaluations(args)
+    first, *_, last = read_all(args.eval_stream_url(), Evaluation.from_json)  # as the actor wrote them
     write_held_out(os.path.join(args.output_dir, "held_out.jsonl"), first, last)
     records = read_metrics(os.path.join(args.output_dir, "metrics.jsonl"))
     png = os.path.join(args.output_dir, "learning_curves.png")

@@ -12,7 +12,7 @@ import functools
 import json
 import types
 from dataclasses import MISSING, asdict, dataclass, fields, is_dataclass
-from typing import Any, ClassVar, get_args, get_origin, get_type_hints
+from typing import Any, ClassVar, Self, get_args, get_origin, get_type_hints
 
 
 class RecordError(ValueError):
@@ -41,7 +41,7 @@ class Record:
         return json.dumps({"schema": self.SCHEMA, **asdict(self)}, separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, text: str | bytes):
+    def from_json(cls, text: str | bytes) -> Self:
         """The record on one line; a RecordError naming the field when it is not JSON, of another schema, or has a
         field missing or of the wrong type (fields it does not know are ignored)."""
         try:

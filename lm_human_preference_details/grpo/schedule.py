@@ -34,10 +34,9 @@ class Schedule:
 
     def evaluations(self, interval: int, start: int) -> list[int]:
         """The steps whose weights are evaluated every `interval` steps (0: none): step 0, its multiples and the last
-        (`due`), those after `start` in a run resumed there (one before it was logged then, or lost with its run)."""
-        return [
-            step for step in range(start, self.steps + 1) if self.due(interval, step) and (step > start or start == 0)
-        ]
+        (`due`), from `start` on in a run resumed there (the checkpoint's own step too: its evaluation comes after the
+        step's line, which the checkpoint follows, so the run that saved it never logged it)."""
+        return [step for step in range(start, self.steps + 1) if self.due(interval, step)]
 
     def push_interval(self) -> int:
         """Optimizer steps between two weight pushes to the servers: every step in `pipeline`, every round in `sync`."""

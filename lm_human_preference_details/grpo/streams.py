@@ -150,6 +150,16 @@ def open_reader(url: str, decode: Decode[R], start: int = 0) -> StreamReader[R]:
             return RedisStreamReader(where, decode, start)
 
 
+def read_all(url: str, decode: Decode[R]) -> list[R]:
+    """Every record the stream at `url` holds now, read with `decode`."""
+    reader = open_reader(url, decode)
+    found = []
+    while batch := reader.read(64, timeout_s=0):
+        found += batch
+    reader.close()
+    return found
+
+
 def truncate(url: str, keep: int) -> int:
     """Drop every record after the first `keep` (a resumed run's trainer consumed `keep`; what the
     crashed run wrote after them came from weights that are gone). Returns how many were dropped."""

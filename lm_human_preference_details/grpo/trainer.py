@@ -448,7 +448,8 @@ def train_until_stopped(
     def everyone_has(ready: bool) -> bool:
         """Whether every process has its step's groups (`ready`: this one's), asked of all at once; a signal any of
         them received ends the wait on all (after a signal to every process of a job, the actor's too, no more may
-        come), and so does no server left to update (no samples would ever come)."""
+        come). No server left to update (no samples would ever come) fails the first process, which alone sends to
+        them; the launcher then stops the others."""
         signal_name = stop.agreed(accelerator)
         if signal_name:
             raise SignalledWhileWaiting(signal_name)
@@ -484,7 +485,8 @@ def train_until_stopped(
         version += 1
         signal_name = stop.agreed(accelerator)
         push_s = 0.0
-        # a stopping run's checkpoint holds these weights, and its servers may be ending on the same signal
+        # a stopping run's checkpoint holds these weights, and its servers may be ending on the same signal; a run
+        # signalled at its last step ends as a finished one, whose last weights go out (its last evaluation's)
         if not signal_name or version == args.optim.steps:
             push_s = servers.push_if_due(model, version, accelerator, stop)
         times = timer.step_done(push_s)
@@ -502,10 +504,13 @@ def train_until_stopped(
         if signal_name and version < args.optim.steps:
             raise stopped_after(version, signal_name)
     servers.wait()
-    stream.close()
     if evaluations is not None:
         evaluations.wait_for_last(version, servers.check, stop)
+        if evaluations.logged < evaluations.last and schedule.due(args.save_interval, version):
+            # a signal came first: the checkpoint at this step lets the rerun evaluate it
+            raise stopped_after(version, stop.agreed(None))
         evaluations.close()
+    stream.close()
     tracker.finish()
 
 
@@ -656,10 +661,12 @@ class EvaluationLog:
     which weights; wandb and the plots draw `eval/*` over it: `tracking.OWN_AXES`)."""
 
     def __init__(self, args: GRPOArgs, tracker: Tracker, start: int):
-        """`start`: the step the run starts from; the evaluation stream holds only this run's evaluations (the
-        launcher empties it)."""
+        """`start`: the step the run starts from; the evaluation stream holds the evaluations of earlier weights
+        (the launcher cuts it back to them: `checkpoints.evaluations_kept`), then this run's; it reads on after those
+        its logs kept (`checkpoints.evaluations_logged`)."""
         self.tracker = tracker
-        self.reader = open_reader(args.eval_stream_url(), Evaluation.from_json)
+        logged = checkpoints.evaluations_logged(args.output_dir, start)
+        self.reader = open_reader(args.eval_stream_url(), Evaluation.from_json, start=logged)
         due = args.run_schedule().evaluations(args.evaluation.eval_every, start)
         self.last = due[-1] if due else -1  # a run resumed at its last step has none left
         self.logged = -1  # the step of the last evaluation logged
@@ -674,7 +681,7 @@ class EvaluationLog:
 
     def wait_for_last(self, version: int, check: Callable[[], None], stop: preemption.StopSignals) -> None:
         """After the last step: log evaluations until the last step's has come (`check()` raises when no server is
-        left to run it; a signal to stop ends the wait, with what came logged)."""
+        left to run it; a signal to stop ends the wait, with what came logged: then `logged` < `last`)."""
         while self.logged < self.last and not stop.received:
             check()
             self.log_arrived(version, timeout_s=1.0)
@@ -689,12 +696,12 @@ def evaluation_metrics(evaluation: Evaluation) -> dict[str, float]:
     versions that sampled its tokens and how long it took."""
     k = evaluation.samples
     problems = evaluation.problems
-    right = [sum(reward == 1 for reward in problem.rewards) for problem in problems]
+    counts = [(len(problem.rewards), sum(reward == 1 for reward in problem.rewards)) for problem in problems]
     tokens = [t for problem in problems for t in problem.tokens]
     return {
         "eval/step": evaluation.step,
-        "eval/pass@1": sum(pass_at_k(k, c, 1) for c in right) / len(problems),
-        "eval/pass@k": sum(pass_at_k(k, c, k) for c in right) / len(problems),
+        "eval/pass@1": sum(pass_at_k(n, right, 1) for n, right in counts) / len(problems),
+        "eval/pass@k": sum(pass_at_k(n, right, k) for n, right in counts) / len(problems),
         "eval/samples": k,
         "eval/mean_tokens": sum(tokens) / len(tokens),
         "eval/version_min": evaluation.version_min,

@@ -50,6 +50,11 @@ def serving(output_dir) -> dict[int, int]:
     return found
 
 
+def steps(output_dir) -> list[int]:
+    """The optimizer steps logged (evaluations have lines of their own)."""
+    return [r["step"] for r in metrics(output_dir) if "reward/mean" in r]
+
+
 def metrics(output_dir) -> list[dict]:
     path = os.path.join(output_dir, "metrics.jsonl")
     if not os.path.exists(path):
@@ -216,20 +221,20 @@ def test_a_killed_launcher_takes_its_children_down_and_the_run_resumes_also_afte
     once it trained a step, as a cluster preempts a job, stops it after the step in flight with a checkpoint of that
     step, status 75 and one line, and leaves no process; the same command (`--resume auto`) then runs to the end (60
     steps: the tiny steps take milliseconds, the signal must find the run still going)."""
-    run = Launched(tmp_path / "run", "--steps", "30", "--save-interval", "5")
-    run.watch_until(lambda: len(metrics(run.output_dir)) >= 12)
+    run = Launched(tmp_path / "run", "--steps", "30", "--save-interval", "5", "--eval-every", "10")
+    run.watch_until(lambda: len(steps(run.output_dir)) >= 12)
     run.process.kill()  # no cleanup code runs in the launcher: the children's watchdog must act
     run.finish()
     assert run.leftovers(grace_s=15) == []
     assert json.load(open(tmp_path / "run" / "checkpoint" / "state.json"))["version"] >= 10
 
-    flags = ("--steps", "60", "--save-interval", "5", "--resume", "auto")
+    flags = ("--steps", "60", "--save-interval", "5", "--eval-every", "10", "--resume", "auto")
     preempted = Launched(tmp_path / "run", *flags)
     # a step of its own (metrics.jsonl holds the killed run's steps until the trainer starts)
     preempted.watch_until(lambda: " trainer step " in preempted.output(tail=None))
     preempted.process.send_signal(signal.SIGTERM)
     assert preempted.finish(timeout_s=60) == 75, preempted.output()
-    stopped_at = metrics(preempted.output_dir)[-1]["step"]
+    stopped_at = steps(preempted.output_dir)[-1]
     assert stopped_at < 60 and f"stopped at step {stopped_at} of 60 on SIGTERM: rerun with --resume\n" in (
         preempted.output()
     )
@@ -238,8 +243,14 @@ def test_a_killed_launcher_takes_its_children_down_and_the_run_resumes_also_afte
 
     resumed = Launched(tmp_path / "run", *flags)
     assert resumed.finish() == 0, resumed.output()
-    assert [r["step"] for r in metrics(resumed.output_dir)] == list(range(1, 61))  # each step once
+    assert steps(resumed.output_dir) == list(range(1, 61))  # each step once
     assert resumed.leftovers() == []
+    # each evaluation once, in order; the resumed run's from its checkpoint's own step on (one the stopped run's actor
+    # was making when the signal came is lost with it)
+    evaluated = [r["eval/step"] for r in metrics(resumed.output_dir) if "eval/step" in r]
+    assert evaluated == sorted(set(evaluated)) and {s for s in range(stopped_at, 61) if s % 10 == 0} | {60} <= set(
+        evaluated
+    ), (stopped_at, evaluated)
 
 
 @pytest.mark.slow
@@ -406,6 +417,10 @@ def test_chat_prompts_go_one_request_per_problem_through_the_chat_template_after
         (
             ["--eval-every", "20", "--eval-problems", "missing.jsonl"],
             "error: --eval-problems missing.jsonl: no such file; pass `held-out`",
+        ),
+        (
+            ["--mode", "sync", "--sync-steps", "4", "--eval-every", "10"],
+            "error: --eval-every 10: in sync mode the servers get new weights every --sync-steps 4 steps",
         ),
         (
             ["--loss-type", "ppo_clip", "--clip-eps-high", "0"],

@@ -16,11 +16,11 @@ def test_a_periodic_thing_is_due_at_multiples_of_its_interval_and_after_the_last
     assert get_preset("tiny").run_schedule().due(0, 10) is False  # an interval of 0: never (--save-interval 0)
 
 
-def test_evaluations_come_at_step_0_every_interval_and_the_last_and_a_resumed_run_does_those_after_its_start():
+def test_evaluations_come_at_step_0_every_interval_and_the_last_and_a_resumed_run_does_those_from_its_start():
     tiny = get_preset("tiny").run_schedule()  # 100 steps
     assert tiny.evaluations(20, start=0) == [0, 20, 40, 60, 80, 100]
     assert tiny.evaluations(30, start=0) == [0, 30, 60, 90, 100]
-    assert tiny.evaluations(30, start=60) == [90, 100]  # step 60's was logged before the checkpoint, or lost
+    assert tiny.evaluations(30, start=60) == [60, 90, 100]  # step 60's came after its checkpoint: never logged
     assert tiny.evaluations(30, start=61) == [90, 100]
     assert tiny.evaluations(0, start=0) == []
 

@@ -428,3 +428,29 @@ def test_the_launcher_reads_a_checkpoint_without_importing_the_trainer():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_an_evaluations_line_averages_each_problems_pass_at_k_over_its_own_samples():
+    """pass@1 and pass@k per problem from its own samples (more than asked, below), then averaged: the
+    direct counts here are 1/2 and 1 for the first problem, 0 and 0 for the second."""
+    from lm_human_preference_details.grpo.records import EvaluatedProblem, Evaluation
+
+    def problem(rewards: list[float]) -> EvaluatedProblem:
+        n = len(rewards)
+        return EvaluatedProblem(
+            problem_id="p", prompt="q", answer="1", completions=["a"] * n, rewards=rewards, tokens=[3] * n
+        )
+
+    evaluation = Evaluation(
+        step=20,
+        version_min=20,
+        version_max=21,
+        samples=2,
+        seconds=0.5,
+        problems=[problem([1.0, 0.0]), problem([0.0, 0.0])],
+    )
+    line = trainer.evaluation_metrics(evaluation)
+    assert line["eval/pass@1"] == (0.5 + 0.0) / 2 and line["eval/pass@k"] == (1.0 + 0.0) / 2
+    assert (line["eval/step"], line["eval/mean_tokens"], line["eval/version_max"]) == (20, 3.0, 21)
+    evaluation.problems[1] = problem([0.0, 0.0, 1.0])  # three samples of one: pass@2 counts 2 of its 3 pairs
+    assert trainer.evaluation_metrics(evaluation)["eval/pass@k"] == pytest.approx((1.0 + 2 / 3) / 2)

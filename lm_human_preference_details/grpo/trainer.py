@@ -70,6 +70,7 @@ from lm_human_preference_details.grpo.streams import open_reader
 from lm_human_preference_details.grpo.weights import WeightSender, buckets, served_dtype, tensor_specs
 from lm_human_preference_details.models import load_causal_lm, temperature_log_softmax
 from lm_human_preference_details.optim import make_optimizer
+from lm_human_preference_details.progress import LOG_INTERVAL_S
 from lm_human_preference_details.tracking import Tracker
 
 log = logging.getLogger(__name__)
@@ -682,7 +683,11 @@ class EvaluationLog:
     def wait_for_last(self, version: int, check: Callable[[], None], stop: preemption.StopSignals) -> None:
         """After the last step: log evaluations until the last step's has come (`check()` raises when no server is
         left to run it; a signal to stop ends the wait, with what came logged: then `logged` < `last`)."""
+        said = -LOG_INTERVAL_S
         while self.logged < self.last and not stop.received:
+            if time.monotonic() - said >= LOG_INTERVAL_S:  # a line now and then: a log file shows the run alive
+                log.info("waiting for the evaluation of step %d", self.last)
+                said = time.monotonic()
             check()
             self.log_arrived(version, timeout_s=1.0)
 

@@ -500,10 +500,10 @@ def test_grpo_speed_generation_requests_are_the_actors(monkeypatch):
     from lm_human_preference_details.grpo.rewards import load_task_problems
 
     tiny = speed.generation_settings("tiny")
-    problems = [p.prompt for p in load_task_problems(tiny)]  # 25 sums
+    problems = [p.prompt for p in load_task_problems(tiny)]  # the 20 sums it trains on
     requests = speed.generation_prompts(tiny, 4)
-    # a step's 8 problems per request (problems_per_request 0), in order, around the 25 again
-    assert requests == [problems[0:8], problems[8:16], problems[16:24], [problems[24], *problems[0:7]]]
+    # a step's 8 problems per request (problems_per_request 0), in order, around the 20 again
+    assert requests == [problems[0:8], problems[8:16], [*problems[16:20], *problems[0:4]], problems[4:12]]
     assert tiny.torch_threads("server") == (len(os.sched_getaffinity(0)))  # a server alone: every core
     shape = speed.generation_shape(speed.Args(generation_requests=3, generation_tokens=5), "tiny", tiny)
     assert shape == {

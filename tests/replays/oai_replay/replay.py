@@ -36,8 +36,8 @@ OAI_VOCAB = "abcdefghijklmnopqrstuvwxyz."
 OAI_PAD = len(OAI_VOCAB)  # OAI: lm_human_preferences/language/encodings.py#L153
 MODEL = dict(n_vocab=len(OAI_VOCAB), n_ctx=32, n_layer=2, n_embd=16, n_head=2)
 """OAI's model HParams for its `test` model, here larger than OAI's own test size (n_ctx 8) to fit the shapes"""
-TESTS = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-ROOT = os.path.dirname(TESTS)
+REPLAYS = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+"""tests/replays: OAI's runs start there, `oai_replay` on their path"""
 
 
 @dataclass(frozen=True)
@@ -275,7 +275,7 @@ def run_oai(prepared: list[Prepared], folder: str, ranks: int = 1) -> list[list[
     in_path, out_path = os.path.join(folder, "oai_in.pkl"), os.path.join(folder, "oai_out.pkl")
     with open(in_path, "wb") as f:
         pickle.dump([p.oai_run() for p in prepared], f)
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=TESTS)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=REPLAYS)
     command = [sys.executable, "-m", "oai_replay.oai_run", in_path, out_path]
     if ranks > 1:
         # as root too (CI's containers), more ranks than cores, and no rank pinned to a core of a shared machine
@@ -304,13 +304,14 @@ class RanksJob:
 def replay_on_ranks(jobs: list[RanksJob], folder: str) -> list[list]:
     """`replay_policy` / `replay_reward` of each job in both processes of one `accelerate launch`; each process's
     results."""
-    from tests.conftest import accelerate_two_processes
+    from tests.conftest import REPO, accelerate_two_processes
 
     in_path, out_path = os.path.join(folder, "port_in.pkl"), os.path.join(folder, "port_out.pkl")
     with open(in_path, "wb") as f:
         pickle.dump(jobs, f)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    command = [*accelerate_two_processes(), os.path.join(TESTS, "oai_replay", "on_ranks.py"), in_path, out_path]
+    # the repository's root: the script imports `tests.replays`
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+    command = [*accelerate_two_processes(), os.path.join(REPLAYS, "oai_replay", "on_ranks.py"), in_path, out_path]
     result = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-5000:]
     results = []

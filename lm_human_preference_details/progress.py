@@ -12,6 +12,10 @@ import threading
 
 from tqdm import tqdm
 
+# the bars' lock is a thread lock: tqdm's default holds a multiprocessing one too, whose semaphore a process ended by
+# `os._exit` (a finished rank, the GRPO trainer) leaves behind, and Python's resource tracker warns of it at exit
+tqdm.set_lock(threading.RLock())
+
 LOG_INTERVAL_S = 30.0
 """seconds between a phase's lines in a log file"""
 LOG_LINE = "{desc}: {n_fmt}/{total_fmt} ({percentage:.0f}%), {rate_fmt}, {elapsed} elapsed, {remaining} left{postfix}"

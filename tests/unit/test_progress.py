@@ -3,6 +3,7 @@ interval)."""
 
 import io
 import re
+import subprocess
 import sys
 import time
 
@@ -73,3 +74,29 @@ def test_only_the_main_process_shows_progress_and_a_terminal_gets_the_bar_alone(
         lines = shown.splitlines()  # the start, one or more at 0.05 s intervals, the end
         assert len(lines) >= 3 and lines[-1].startswith("labels: 4/4 (100%)"), lines
     assert capsys.readouterr().out == "a line\n"
+
+
+SPAWNED_BAR = """
+import multiprocessing, os
+
+def child():
+    from lm_human_preference_details.progress import progress_bar
+    with progress_bar(2, "model build", "step") as bar:
+        bar.update()
+    os._exit(0)  # as a finished rank and the GRPO trainer end
+
+if __name__ == "__main__":
+    process = multiprocessing.get_context("spawn").Process(target=child)
+    process.start()
+    process.join()
+"""
+
+
+def test_a_spawned_process_that_drew_a_bar_and_ended_at_once_leaves_no_semaphore(tmp_path):
+    """The launcher's children are spawned and end with `os._exit`: a bar's lock must leave nothing for Python's
+    resource tracker to warn of after the run's last line."""
+    script = tmp_path / "spawned_bar.py"
+    script.write_text(SPAWNED_BAR)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "model build: 1/2" in result.stderr, result.stderr
+    assert "leaked semaphore" not in result.stderr, result.stderr

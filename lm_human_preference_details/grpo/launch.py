@@ -267,9 +267,14 @@ class Run:
         stop, only a trainer process: a cluster signals every process of a job, and the actor and the servers end on
         it, while the trainer finishes its step."""
         stopping = bool(self.stop_requested())
-        for name, process in self.roles.items():
-            if process.exitcode not in (None, 0, cli.PREEMPTED) and not (stopping and name == "actor"):
-                return f"the {name} exited with status {process.exitcode}"
+        failed = {
+            name: process.exitcode
+            for name, process in self.roles.items()
+            if process.exitcode not in (None, 0, cli.PREEMPTED) and not (stopping and name == "actor")
+        }
+        if failed:  # a trainer process aborts (SIGABRT) when a peer of its process group dies: the peer is the cause
+            name = min(failed, key=lambda name: failed[name] == -signal.SIGABRT)
+            return f"the {name} exited with status {failed[name]}"
         if self.servers and all(p.poll() is not None for p in self.servers) and not stopping:
             return f"every server{' of this node' if self.meeting else ''} has exited; see {self.logs}"
         return None
